@@ -1,0 +1,38 @@
+# Every target installs what it needs on first use into a local virtual environment.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+TORCH_PIN := torch==2.13.0
+
+.PHONY: venv test test-slow demo bench bench-quick lint clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# A bare `torch` would pull a multi-GB CUDA build: take the pinned build when none is present.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+test: venv
+	$(PY) -m pytest -q
+
+test-slow: venv
+	$(PY) -m pytest -q -m slow
+
+demo: venv
+	$(PY) examples/demo.py --world-size 2 --device auto
+
+bench: venv
+	$(PY) -m benchmarks.run
+
+bench-quick: venv
+	$(PY) -m benchmarks.run --quick
+
+lint: venv
+	$(VENV)/bin/ruff check reactor_dist workers tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) out build *.egg-info
