@@ -1,0 +1,100 @@
+"""The exceptions of the error contract (DESIGN.md section 3), and how a rank's
+exception survives the trip to the caller.
+
+A rank's exception is pickled with its type, args and formatted traceback.  The
+caller gets the same type and args back with the remote traceback attached as
+``__cause__`` (the way ``concurrent.futures`` does it).  An exception that cannot
+be pickled or unpickled is replaced by :class:`RemoteError`, which still names the
+original type, message and traceback.
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+
+
+class WorkerCrashed(RuntimeError):
+    """A rank process died (exit, signal, OOM kill). The runner is unusable."""
+
+
+class WorkerTimeout(TimeoutError):
+    """Some ranks did not answer within the timeout. The runner is unusable."""
+
+
+class RankDesync(RuntimeError):
+    """Ranks disagreed on the outcome of one call. The runner is unusable."""
+
+
+class SharedSlotAllocationFailed(MemoryError):
+    """/dev/shm cannot hold a payload. Nothing was sent; the runner stays healthy."""
+
+
+class RemoteError(RuntimeError):
+    """Stands in for a rank's exception that could not cross the process boundary."""
+
+    def __init__(self, type_name: str, message: str, traceback_text: str) -> None:
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+        self.message = message
+        self.traceback_text = traceback_text
+
+    def __reduce__(self):  # keeps the three fields through a pickle round trip
+        return (type(self), (self.type_name, self.message, self.traceback_text))
+
+
+class RemoteTraceback(Exception):
+    """Carries a rank's formatted traceback; shown as the cause of its exception."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def type_name(exc: BaseException) -> str:
+    cls = type(exc)
+    module = cls.__module__
+    return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
+
+
+def describe(exc: BaseException) -> dict:
+    """What a rank sends about its exception besides the pickle itself."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        message = str(exc)
+    except Exception:  # a broken __str__ must not break the report
+        message = f"<unprintable {type(exc).__name__}>"
+    return {"type": type_name(exc), "message": message, "traceback": tb}
+
+
+def pickle_exception(exc: BaseException) -> bytes | None:
+    """The exception's pickle, or None when it does not pickle (then RemoteError stands in)."""
+    saved = exc.__traceback__, exc.__context__, exc.__cause__
+    try:
+        # Tracebacks never pickle and chained exceptions need not; the text travels apart.
+        exc.__traceback__ = exc.__context__ = exc.__cause__ = None
+        data = pickle.dumps(exc, protocol=5)
+        pickle.loads(data)  # an exception can pickle yet fail to unpickle
+        return data
+    except Exception:
+        return None
+    finally:
+        exc.__traceback__, exc.__context__, exc.__cause__ = saved
+
+
+def rebuild_exception(info: dict, data: bytes | None, rank: int) -> BaseException:
+    """The caller-side exception of one rank: the original when possible, else RemoteError."""
+    exc: BaseException | None = None
+    if data is not None:
+        try:
+            exc = pickle.loads(data)
+        except Exception:
+            exc = None
+    if not isinstance(exc, BaseException):
+        exc = RemoteError(info["type"], info["message"], info["traceback"])
+    exc.__cause__ = RemoteTraceback(f"\n[rank {rank}] remote traceback:\n{info['traceback']}")
+    exc.remote_rank = rank  # type: ignore[attr-defined]
+    return exc

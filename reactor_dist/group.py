@@ -1,0 +1,320 @@
+"""The runner's side of the bus: the rank processes, the sockets, the shm pools.
+
+Data flow of one ``generate(x)``::
+
+    caller thread                                  rank r (x world_size)
+    ------------------------------------------     ---------------------------------
+    encode x: pickle-5 stream + buffers;
+      big buffers -> one input segment (1 copy)
+    PUB  [mac|hdr(seq, descriptors)|stream] -----> SUB: verify MAC, map input segment
+                                                    copy-on-write, unpickle, generate()
+    poll(PULL, pidfd of every rank) <------------- PUSH [mac|hdr(seq, status)|...]
+      reply of another seq: bookkeeping only        rank 0 alone adds its result: big
+      pidfd readable: WorkerCrashed at once           buffers copied into a warm result
+      deadline: WorkerTimeout (+ stacks)              segment (or none: shared_empty)
+    decode rank 0's result: arrays view the
+      result segment; dropping them releases it
+      (told to rank 0 with the next command)
+
+Segments: the runner owns the input pool, rank 0 owns the result pool; the
+other side maps them.  Releases and retirements ride on the next message the
+other way ("rel"/"iret" on commands, "irel"/"ret" on replies).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import pickle
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+import zmq
+
+from . import shm, transfer, wire
+from .errors import WorkerCrashed, WorkerTimeout, rebuild_exception
+from .process import RankProcess, end_ranks, wait_all_exit
+
+PING_INTERVAL = 0.02
+STACK_DUMP_WAIT = 0.5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _private_dir() -> str:
+    path = tempfile.mkdtemp(prefix="reactor-dist-")  # mode 0700
+    if len(path) > 90:  # ipc:// paths are limited to ~107 bytes
+        os.rmdir(path)
+        path = tempfile.mkdtemp(prefix="reactor-dist-", dir="/tmp")
+    return path
+
+
+class RankGroup:
+    """Processes, sockets and pools of one runner; raises the transport-level errors."""
+
+    def __init__(self, *, worker: dict[str, Any], world_size: int, load_kwargs: dict[str, Any],
+                 init_process_group: bool, device: str, gpus: list[int] | None,
+                 env: dict[str, str], launch_prefix: list[str], shm_dir: str,
+                 keep_free: int, start_timeout: float, shutdown_grace: float) -> None:
+        self.world_size = world_size
+        self.secret = os.urandom(wire.SECRET_SIZE)
+        self.shm_dir = shm_dir
+        self.shm_prefix = shm.new_runner_prefix()
+        self.shutdown_grace = shutdown_grace
+        self.seq = 0
+        self.ranks: list[RankProcess] = []
+        self.inputs = shm.SlotPool(shm_dir, self.shm_prefix, "in", keep_free=keep_free)
+        self.result_maps: dict[str, shm.Segment] = {}
+        self.released: collections.deque[str] = collections.deque()  # result segments let go
+        self.inputs_retired: list[str] = []
+        self.ctx: zmq.Context | None = None
+        self.ipc_dir: str | None = None
+        self._spec = dict(worker=worker, load_kwargs=pickle.dumps(load_kwargs, protocol=5),
+                          init_process_group=init_process_group, device=device,
+                          start_timeout=start_timeout, keep_free=keep_free)
+        self._env, self._gpus, self._launch_prefix = env, gpus, launch_prefix
+
+    # -- start ---------------------------------------------------------------------------
+    def start(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        shm.reclaim_dead_owners(self.shm_dir)
+        self.ipc_dir = _private_dir()
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.SNDHWM, 0)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        cmd_addr = f"ipc://{self.ipc_dir}/cmd"
+        self.pub.bind(cmd_addr)
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        reply_addr = f"ipc://{self.ipc_dir}/reply"
+        self.pull.bind(reply_addr)
+        self.poller = zmq.Poller()
+        self.poller.register(self.pull, zmq.POLLIN)
+        self.death_fds: dict[int, int] = {}
+        self.launcher_fds: list[int] = []
+        for rank in range(self.world_size):
+            self._spawn(rank, cmd_addr, reply_addr)
+
+        # Handshake: PING until every rank answered, so no later command is lost to a
+        # subscription that has not reached the PUB socket yet (slow joiner).
+        pongs = self.collect(wire.PONG, 0, deadline - time.monotonic(), "start()",
+                             tick=lambda: self.publish({"k": wire.PING, "s": 0}))
+        for rank, (header, _) in pongs.items():
+            self._watch_launcher(rank, header.get("pid"))
+        port = pongs[0][0].get("port") or 0
+        self.publish({"k": wire.INIT, "s": 0, "port": port})
+        ready = self.collect(wire.READY, 0, deadline - time.monotonic(), "start()",
+                             first_error=True)
+        for rank, (header, body) in ready.items():
+            if header.get("st") == wire.RAISED:
+                raise rebuild_exception(header["e"], body[0] if body else None, rank)
+
+    def _spawn(self, rank: int, cmd_addr: str, reply_addr: str) -> None:
+        env = dict(os.environ)
+        env.update(self._env)
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(
+            [package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(self.world_size),
+                   LOCAL_WORLD_SIZE=str(self.world_size), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(_free_port()), PYTHONUNBUFFERED="1")
+        if self._gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self._gpus)
+        boot = dict(self._spec, rank=rank, world_size=self.world_size, secret=self.secret,
+                    cmd_addr=cmd_addr, reply_addr=reply_addr, runner_pid=os.getpid(),
+                    shm_dir=self.shm_dir, shm_prefix=self.shm_prefix, sys_path=list(sys.path))
+        data = pickle.dumps(boot, protocol=5)
+        prefix = [part.replace("{rank}", str(rank)) for part in self._launch_prefix]
+        cmd = prefix + [sys.executable, "-m", "reactor_dist.launcher"]
+        proc = RankProcess(rank, cmd, env, os.getcwd(), len(data).to_bytes(8, "little") + data)
+        self.ranks.append(proc)
+        if proc.pidfd is not None:
+            self.death_fds[proc.pidfd] = rank
+            self.poller.register(proc.pidfd, zmq.POLLIN)
+
+    def _watch_launcher(self, rank: int, pid: Any) -> None:
+        """With a launch_prefix the launcher may be a grandchild: watch it as well."""
+        proc = self.ranks[rank]
+        if not isinstance(pid, int) or pid == proc.pid:
+            return
+        proc.launcher_pid = pid
+        with contextlib.suppress(OSError):
+            fd = os.pidfd_open(pid)
+            self.launcher_fds.append(fd)
+            self.death_fds[fd] = rank
+            self.poller.register(fd, zmq.POLLIN)
+
+    # -- the wire ---------------------------------------------------------------------------
+    def publish(self, header: dict[str, Any], body: list | tuple = ()) -> None:
+        header["r"] = -1  # commands are for every rank
+        self.pub.send_multipart(wire.pack(self.secret, header, body), copy=False)
+
+    def collect(self, kind: str, seq: int, timeout: float | None, what: str,
+                tick=None, first_error: bool = False) -> dict[int, tuple[dict, list]]:
+        """Wait for ``kind``/``seq`` from every rank; WorkerCrashed on a death,
+        WorkerTimeout at the deadline.  With ``first_error`` a RAISED reply ends
+        the wait at once (start-up: a failed load() makes the rest pointless)."""
+        replies: dict[int, tuple[dict, list]] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        watch_by_timer = len(self.death_fds) < len(self.ranks)
+        while len(replies) < self.world_size:
+            if tick is not None:
+                tick()
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if tick is not None:
+                wait = PING_INTERVAL if wait is None else min(wait, PING_INTERVAL)
+            if watch_by_timer:
+                wait = 0.05 if wait is None else min(wait, 0.05)
+            events = dict(self.poller.poll(None if wait is None else int(wait * 1000) + 1))
+            dead = sorted({self.death_fds[fd] for fd in events if fd in self.death_fds}
+                          | {r.rank for r in self.ranks if not r.alive()})
+            if dead:
+                raise self.crashed(dead, what)
+            if self.pull in events:
+                for header, body in self.drain():
+                    if header["k"] == kind and header["s"] == seq and header["r"] not in replies:
+                        replies[header["r"]] = (header, body)
+                        if first_error and header.get("st") == wire.RAISED:
+                            return {header["r"]: (header, body)}
+                    elif header["k"] == wire.REPLY and header["s"] != seq:
+                        self.discard_stale(header)
+            if deadline is not None and time.monotonic() >= deadline and \
+                    len(replies) < self.world_size:
+                silent = [r for r in range(self.world_size) if r not in replies]
+                raise self.timed_out(silent, timeout, what, replies)
+        return replies
+
+    def drain(self) -> list[tuple[dict, list]]:
+        """Every authentic reply waiting on the PULL socket; the rest is dropped unread."""
+        messages = []
+        while True:
+            try:
+                parts = self.pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return messages
+            try:
+                header, body = wire.unpack(self.secret, parts)
+            except wire.ProtocolError:
+                continue
+            if header["k"] not in wire.REPLIES or not 0 <= header["r"] < self.world_size:
+                continue
+            self.bookkeep(header)
+            messages.append((header, body))
+
+    def bookkeep(self, header: dict[str, Any]) -> None:
+        """Segment releases that ride on every reply, whatever call it answers."""
+        for name in header.get("irel") or ():
+            if isinstance(name, str):
+                self.inputs_retired.extend(self.inputs.let_go(name, header["r"]))
+        for name in header.get("ret") or ():
+            seg = self.result_maps.pop(name, None) if isinstance(name, str) else None
+            if seg is not None:
+                seg.close(unlink=True)
+
+    def discard_stale(self, header: dict[str, Any]) -> None:
+        """An answer to an older (interrupted) call: hand its result segments back."""
+        names = {d[1] for d in header.get("d") or () if isinstance(d, list) and len(d) == 5
+                 and d[0] == transfer.SEGMENT and isinstance(d[1], str)}
+        self.released.extend(names)
+
+    # -- calls ------------------------------------------------------------------------------
+    def send_call(self, method: str, value: Any = None) -> int:
+        """Encode and publish one call; raises (having sent nothing) when it can't."""
+        header: dict[str, Any] = {"k": wire.CALL, "m": method, "d": []}
+        body: list = [b""]
+        if method == "generate":
+            try:
+                header["d"], body, _ = transfer.encode(
+                    value, self.inputs, "the input of generate()", holders=range(self.world_size))
+            except shm.SharedSlotAllocationFailed:
+                raise
+            except Exception as exc:
+                raise TypeError(
+                    f"the input of generate() cannot be pickled ({type(exc).__name__}: {exc}); "
+                    f"inputs must pickle: plain data, numpy arrays, CPU tensors, module-level "
+                    f"classes"
+                ) from exc
+        self.seq += 1
+        header["s"] = self.seq
+        header["rel"] = [self.released.popleft() for _ in range(len(self.released))]
+        header["iret"], self.inputs_retired = self.inputs_retired, []
+        self.publish(header, body)
+        return self.seq
+
+    def result_base(self, name: str) -> np.ndarray:
+        seg = self.result_maps.get(name)
+        if seg is None:
+            if "/" in name or not name.startswith(self.shm_prefix + "."):
+                raise ValueError(f"result names a foreign segment {name!r}")
+            seg = self.result_maps[name] = shm.Segment.open(self.shm_dir, name)
+        base = np.frombuffer(seg.mm, np.uint8)
+        weakref.finalize(base, self.released.append, name)
+        return base
+
+    def decode_result(self, header: dict[str, Any], body: list) -> Any:
+        return transfer.decode(header.get("d") or [], body, self.result_base)
+
+    # -- failures ---------------------------------------------------------------------------
+    def crashed(self, dead: list[int], what: str) -> WorkerCrashed:
+        reports = "\n".join(self.ranks[r].crash_report() for r in dead)
+        return WorkerCrashed(f"rank {', '.join(map(str, dead))} died during {what}: {reports}")
+
+    def timed_out(self, silent: list[int], timeout: float | None, what: str,
+                  replies: dict[int, tuple[dict, list]]) -> WorkerTimeout:
+        import signal
+
+        for r in silent:  # faulthandler in the rank prints every thread's stack
+            with contextlib.suppress(OSError):
+                os.kill(self.ranks[r].launcher_pid, signal.SIGUSR1)
+        time.sleep(STACK_DUMP_WAIT)
+        raised = [f"rank {r} raised {h['e']['type']}" for r, (h, _) in sorted(replies.items())
+                  if h.get("st") == wire.RAISED and isinstance(h.get("e"), dict)]
+        note = f" ({'; '.join(raised)}: the silent ranks may wait for it in a collective)" \
+            if raised else ""
+        stacks = "\n".join(
+            f"rank {r} (pid {self.ranks[r].pid}), last output:\n" +
+            "\n".join(f"    {line}" for line in self.ranks[r].last_lines(30)) for r in silent)
+        return WorkerTimeout(
+            f"no answer from rank {', '.join(map(str, silent))} within {timeout:g} s "
+            f"during {what}{note}; their stacks:\n{stacks}")
+
+    def any_dead(self) -> list[int]:
+        return [r.rank for r in self.ranks if not r.alive()]
+
+    # -- end --------------------------------------------------------------------------------
+    def close(self, graceful: bool) -> None:
+        """End every process and remove every file; safe to call in any state, twice."""
+        if graceful and self.ranks and not self.any_dead():
+            with contextlib.suppress(zmq.ZMQError):
+                self.publish({"k": wire.SHUTDOWN, "s": self.seq + 1})
+            wait_all_exit(self.ranks, self.shutdown_grace)
+        end_ranks(self.ranks)
+        self.ranks = []
+        for fd in getattr(self, "launcher_fds", ()):
+            os.close(fd)  # the ranks' own pidfds were closed by end_ranks
+        self.launcher_fds, self.death_fds = [], {}
+        if self.ctx is not None:
+            self.pub.close(linger=0)
+            self.pull.close(linger=0)
+            self.ctx.term()
+            self.ctx = None
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            self.ipc_dir = None
+        self.inputs.close()
+        for seg in self.result_maps.values():
+            seg.close()
+        self.result_maps.clear()
+        shm.remove_prefix(self.shm_dir, self.shm_prefix)

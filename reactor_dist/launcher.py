@@ -1,0 +1,342 @@
+"""The rank process: ``reactor-dist-worker`` (also ``python -m reactor_dist.launcher``).
+
+Life of a rank::
+
+    read bootstrap from stdin (secret, addresses, worker class, load_kwargs)
+    watch the runner's pid -> if it dies: remove its /dev/shm entries, kill own group
+    connect SUB (commands) + PUSH (replies); rank 0 opens the rendezvous store (port 0)
+    PING  -> PONG        (handshake: proves our subscription is live)
+    INIT  -> READY       (set device, form the torch.distributed group, load())
+    CALL  -> REPLY       (generate/reset; rank 0 alone sends the result payload)
+    SHUTDOWN -> exit
+
+The secret never appears in argv or the environment.  Every command is
+authenticated (wire.unpack) before anything in it is decoded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import faulthandler
+import os
+import pickle
+import runpy
+import select
+import signal
+import sys
+import threading
+import time
+import types
+import weakref
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import psutil
+import zmq
+
+from . import shm, transfer, wire
+from .errors import describe, pickle_exception
+
+RESULT_HOLDER, WORKER_HOLDER = "caller", "worker"
+
+
+def read_bootstrap(stream) -> dict[str, Any]:
+    size = int.from_bytes(stream.read(8), "little")
+    data = stream.read(size)
+    if size == 0 or len(data) != size:
+        raise SystemExit("reactor-dist-worker: no bootstrap on stdin (it is started by "
+                         "DistributedRunner, not by hand)")
+    return pickle.loads(data)
+
+
+def import_worker_class(where: dict[str, Any]) -> type:
+    """Find the class the way multiprocessing's spawn finds ``__main__``'s objects."""
+    if where["module"] == "__main__":
+        main = types.ModuleType("__mp_main__")
+        if "main_module" in where:
+            content = runpy.run_module(where["main_module"], run_name="__mp_main__",
+                                       alter_sys=True)
+        else:
+            content = runpy.run_path(where["main_path"], run_name="__mp_main__")
+        main.__dict__.update(content)
+        sys.modules["__main__"] = sys.modules["__mp_main__"] = main
+        obj: Any = main
+    else:
+        import importlib
+
+        obj = importlib.import_module(where["module"])
+    for part in where["qualname"].split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def watch_runner(pid: int, on_death) -> None:
+    """Call ``on_death`` as soon as the runner process is gone, whatever killed it."""
+    def wait() -> None:
+        try:
+            fd = os.pidfd_open(pid)
+            select.select([fd], [], [])
+        except (AttributeError, OSError):
+            while psutil.pid_exists(pid):
+                time.sleep(0.1)
+        on_death()
+
+    threading.Thread(target=wait, name="reactor-dist-runner-watch", daemon=True).start()
+
+
+def _maybe_cuda() -> bool:
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia")
+
+
+def choose_device(requested: str, rank: int) -> str:
+    if requested == "cpu" or (requested == "auto" and not _maybe_cuda()):
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        if requested == "cuda":
+            raise RuntimeError("device='cuda' was asked for, but torch sees no CUDA device")
+        return "cpu"
+    count = torch.cuda.device_count()
+    if rank >= count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<all>")
+        raise RuntimeError(
+            f"rank {rank} needs a GPU of its own, but only {count} are visible "
+            f"(CUDA_VISIBLE_DEVICES={visible}): lower world_size to {count} or pass "
+            f"gpus=[...] with one GPU per rank"
+        )
+    torch.cuda.set_device(rank)
+    return f"cuda:{rank}"
+
+
+class RankServer:
+    """Serves one rank: handshake, init, then one call at a time until shutdown."""
+
+    def __init__(self, boot: dict[str, Any]) -> None:
+        self.boot = boot
+        self.rank: int = boot["rank"]
+        self.world_size: int = boot["world_size"]
+        self.secret: bytes = boot["secret"]
+        self.shm_dir: str = boot["shm_dir"]
+        self.worker: Any = None
+        self.store = None
+        self.last_seq = 0
+        self.rejected = 0
+        self.results = shm.SlotPool(self.shm_dir, boot["shm_prefix"], f"r{self.rank}-",
+                                    keep_free=boot["keep_free"])
+        self.input_views: dict[str, shm.PrivateView] = {}
+        # Finalizers only queue; the pools change at safe points of the serve loop.
+        self.dropped: collections.deque[tuple[str, str]] = collections.deque()
+        self.retired: list[str] = []
+        self.inputs_released: list[str] = []
+
+    # -- plumbing ------------------------------------------------------------------
+    def connect(self) -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.setsockopt(zmq.RCVHWM, 0)
+        self.sub.connect(self.boot["cmd_addr"])
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 2000)
+        self.push.connect(self.boot["reply_addr"])
+
+    def send(self, header: dict[str, Any], body: list | tuple = ()) -> None:
+        header["r"] = self.rank
+        self.push.send_multipart(wire.pack(self.secret, header, body), copy=False)
+
+    def on_runner_death(self) -> None:
+        shm.remove_prefix(self.shm_dir, self.boot["shm_prefix"])
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+        os._exit(1)
+
+    # -- the loop --------------------------------------------------------------------
+    def run(self) -> int:
+        watch_runner(self.boot["runner_pid"], self.on_runner_death)
+        self.connect()
+        port = self.open_rendezvous()
+        while True:
+            try:
+                header, body = wire.unpack(self.secret, self.sub.recv_multipart())
+            except wire.ProtocolError as exc:
+                self.rejected += 1
+                if self.rejected <= 3:  # say it, but never flood the log
+                    print(f"reactor-dist: rejected a message: {exc}", file=sys.stderr)
+                continue
+            kind = header["k"]
+            if kind == wire.PING:
+                self.send({"k": wire.PONG, "s": header["s"], "pid": os.getpid(), "port": port})
+            elif kind == wire.INIT:
+                self.init(header)
+            elif kind == wire.CALL and header["s"] > self.last_seq:
+                self.last_seq = header["s"]
+                self.call(header, body)
+            elif kind == wire.SHUTDOWN:
+                break
+        self.close()
+        return 0
+
+    def open_rendezvous(self) -> int:
+        """Rank 0 binds the store on port 0 and reports the port: no race for a free port."""
+        if not (self.boot["init_process_group"] and self.world_size > 1 and self.rank == 0):
+            return 0
+        from torch.distributed import TCPStore
+
+        self.store = TCPStore("127.0.0.1", 0, self.world_size, True,
+                              timeout=timedelta(seconds=self.boot["start_timeout"]),
+                              wait_for_workers=False)
+        return self.store.port
+
+    def init(self, header: dict[str, Any]) -> None:
+        reply: dict[str, Any] = {"k": wire.READY, "s": header["s"], "st": wire.OK}
+        body: list = []
+        try:
+            if header["port"]:
+                os.environ["MASTER_PORT"] = str(header["port"])
+            device = choose_device(self.boot["device"], self.rank)
+            if self.boot["init_process_group"] and self.world_size > 1:
+                self.form_group(device, header["port"])
+            self.worker = self.boot_worker(device)
+        except BaseException as exc:
+            reply["st"], reply["e"] = wire.RAISED, describe(exc)
+            body = [pickle_exception(exc) or b""]
+        self.send(reply, body)
+
+    def form_group(self, device: str, port: int) -> None:
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=self.boot["start_timeout"])
+        store = self.store or dist.TCPStore("127.0.0.1", port, self.world_size, False,
+                                            timeout=timeout)
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, store=store, rank=self.rank,
+                                world_size=self.world_size, timeout=timeout)
+
+    def boot_worker(self, device: str) -> Any:
+        cls = import_worker_class(self.boot["worker"])
+        worker = cls()
+        worker.rank, worker.world_size, worker.device = self.rank, self.world_size, device
+        if self.rank == 0:
+            worker._reactor_allocate = self.shared_empty
+        worker.load(**pickle.loads(self.boot["load_kwargs"]))
+        return worker
+
+    # -- one call ------------------------------------------------------------------------
+    def call(self, header: dict[str, Any], body: list) -> None:
+        for name in header.get("rel", ()):
+            self.dropped.append((name, RESULT_HOLDER))
+        for name in header.get("iret", ()):
+            view = self.input_views.pop(name, None)
+            if view is not None:
+                view.close()
+        self.settle()
+        reply: dict[str, Any] = {"k": wire.REPLY, "s": header["s"], "st": wire.OK}
+        payload: list = []
+        error: BaseException | None = None
+        value = result = None
+        try:
+            if header["m"] == "generate":
+                value = transfer.decode(header["d"], body, self.input_base)
+                result = self.worker.generate(value)
+                del value
+            else:
+                self.worker.reset()
+                result = None
+        except BaseException as exc:
+            reply["st"], error = wire.RAISED, exc
+            value = result = None
+        if error is None and self.rank == 0 and header["m"] == "generate":
+            try:
+                reply["d"], payload, _ = transfer.encode(
+                    result, self.results, "the result of generate() on rank 0",
+                    holders=[RESULT_HOLDER], reuse_segments=True)
+            except BaseException as exc:
+                reply["st"], error = wire.UNDELIVERABLE, exc
+        del result
+        if error is not None:
+            reply["e"] = describe(error)
+            payload = [pickle_exception(error) or b""]
+            error = None
+        self.settle()
+        reply["irel"], self.inputs_released = self.inputs_released, []
+        reply["ret"], self.retired = self.retired, []
+        self.send(reply, payload)
+
+    def settle(self) -> None:
+        """Apply what finalizers queued: segments let go by the caller or the worker."""
+        while self.dropped:
+            name, holder = self.dropped.popleft()
+            if holder == "input":
+                self.inputs_released.append(name)
+                view = self.input_views.get(name)
+                if view is not None and view.written():
+                    self.input_views.pop(name).close()
+            else:
+                self.retired.extend(self.results.let_go(name, holder))
+
+    def input_base(self, name: str) -> np.ndarray:
+        view = self.input_views.get(name)
+        if view is None:
+            view = self.input_views[name] = shm.PrivateView(self.shm_dir, name)
+        base = np.frombuffer(view.buffer, np.uint8)
+        weakref.finalize(base, self.dropped.append, (name, "input"))
+        return base
+
+    def shared_empty(self, shape: Any, dtype: Any) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        self.settle()
+        seg = self.results.acquire(max(nbytes, 1), f"shared_empty({shape}, {dtype})",
+                                   holders=[WORKER_HOLDER])
+        base = np.frombuffer(seg.mm, np.uint8)
+        weakref.finalize(base, self.dropped.append, (seg.name, WORKER_HOLDER))
+        return base[:nbytes].view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        self.worker = None
+        self.settle()
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        except ImportError:
+            pass
+        for view in self.input_views.values():
+            view.close()
+        self.results.close()
+        self.sub.close(linger=0)
+        self.push.close()
+        self.ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="reactor-dist-worker",
+        description=(
+            "Runs one rank of a reactor_dist DistributedRunner: imports the worker class, "
+            "joins the runner's ZeroMQ bus and torch.distributed group, calls load() once, "
+            "then serves generate()/reset() until shutdown. The runner starts it with its "
+            "configuration (and a per-runner secret) on stdin; wrap it with the runner's "
+            "launch_prefix option, e.g. launch_prefix=['numactl', '--cpunodebind={rank}']."
+        ),
+    )
+    parser.parse_args(argv)
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the runner asks on a timeout
+    boot = read_bootstrap(sys.stdin.buffer)
+    sys.stdin.close()
+    sys.path[:] = boot["sys_path"] + [p for p in sys.path if p not in boot["sys_path"]]
+    return RankServer(boot).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Rank processes: spawning, their output, noticing their death, ending them.
+
+Each rank is a plain subprocess in a session (and process group) of its own, so
+that one ``killpg`` ends the rank together with every process its worker
+started.  Its stdout and stderr share one pipe, which a reader thread forwards to
+the application's stderr line by line, prefixed ``[rank N]``, keeping the last
+lines for crash reports.  A pidfd per rank makes a death an event the runner's
+poll wakes on, not something a timer discovers.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import fcntl
+import os
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+
+import psutil
+
+TAIL_LINES = 40
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class RankProcess:
+    """One rank's subprocess, its output pump and its death notice."""
+
+    def __init__(self, rank: int, cmd: list[str], env: dict[str, str], cwd: str,
+                 bootstrap: bytes) -> None:
+        self.rank = rank
+        self.popen = subprocess.Popen(
+            cmd, env=env, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+        )
+        self.pid = self.pgid = self.popen.pid
+        self.launcher_pid = self.pid  # differs when a launch_prefix wraps the launcher
+        try:
+            self.pidfd: int | None = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):
+            self.pidfd = None
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._partial = b""
+        self._reading = False
+        self._out_fd = self.popen.stdout.fileno()
+        self._reader = threading.Thread(target=self._pump, name=f"reactor-dist-rank{rank}-out",
+                                        daemon=True)
+        self._reader.start()
+        try:  # The secret travels here, never in argv or the environment.
+            self.popen.stdin.write(bootstrap)
+            self.popen.stdin.close()
+        except BrokenPipeError:
+            pass  # died at once; the death notice tells the story
+
+    # -- output ---------------------------------------------------------------
+    def _pump(self) -> None:
+        fd = self._out_fd
+        while True:
+            self._reading = True
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                data = b""
+            self._reading = False
+            if not data:
+                break
+            lines = (self._partial + data).split(b"\n")
+            self._partial = lines.pop()
+            for line in lines:
+                self._emit(line)
+        if self._partial:
+            self._emit(self._partial)
+            self._partial = b""
+
+    def _emit(self, raw: bytes) -> None:
+        line = raw.decode("utf-8", "replace").rstrip("\r")
+        self.tail.append(line)
+        try:
+            sys.stderr.write(f"[rank {self.rank}] {line}\n")
+            sys.stderr.flush()
+        except Exception:
+            pass  # a closed stderr must not kill the pump
+
+    def _pending_bytes(self) -> int:
+        try:
+            return struct.unpack("i", fcntl.ioctl(self._out_fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+        except OSError:
+            return 0
+
+    def drain(self, timeout: float = 0.5) -> None:
+        """Wait (briefly) until what the rank wrote before dying has been read."""
+        deadline = time.monotonic() + timeout
+        while self._reader.is_alive() and time.monotonic() < deadline:
+            if self._pending_bytes() == 0 and self._reading:
+                return
+            time.sleep(0.002)
+
+    def last_lines(self, n: int = 20) -> list[str]:
+        lines = list(self.tail)[-n:]
+        if self._partial:
+            lines.append(self._partial.decode("utf-8", "replace"))
+        return lines
+
+    # -- life and death ---------------------------------------------------------
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def exit_description(self) -> str:
+        code = self.popen.poll()
+        if code is None:
+            return "still running"
+        if code < 0:
+            name = signal_name(-code)
+            hint = " (the kernel OOM killer sends this too)" if -code == signal.SIGKILL else ""
+            return f"killed by {name}{hint}"
+        return f"exited with code {code}"
+
+    def crash_report(self) -> str:
+        self.drain()
+        lines = self.last_lines()
+        shown = "\n".join(f"    {line}" for line in lines) if lines else "    (no output)"
+        return f"rank {self.rank} (pid {self.pid}) {self.exit_description()}; last output:\n{shown}"
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, sig)
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+        self._reader.join(timeout=1.0)
+        with contextlib.suppress(Exception):
+            self.popen.stdout.close()
+
+
+def wait_all_exit(ranks: list[RankProcess], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if not any(r.alive() for r in ranks):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+
+
+def end_ranks(ranks: list[RankProcess], term_grace: float = 2.0) -> None:
+    """SIGTERM each rank's process group, SIGKILL what is left, reap everything.
+
+    Descendants are listed first, so that a grandchild which left the process
+    group (setsid) is still found and killed.
+    """
+    strays = [p for r in ranks for p in r.descendants()]
+    for r in ranks:
+        if r.alive():
+            r.signal_group(signal.SIGTERM)
+    wait_all_exit(ranks, term_grace)
+    for r in ranks:
+        r.signal_group(signal.SIGKILL)  # also reaches children of an already-dead rank
+    for p in strays:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    for r in ranks:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            r.popen.wait(timeout=5.0)
+    psutil.wait_procs(strays, timeout=2.0)
+    for r in ranks:
+        r.close()

@@ -1,0 +1,149 @@
+"""Payloads: pickle protocol 5 with large buffers out of band, through shared memory.
+
+Encoding a payload yields a small pickle stream plus its out-of-band buffers.
+Each buffer is placed by size::
+
+    < INLINE_LIMIT   -> its own ZeroMQ frame (cheaper than a segment round trip)
+    already in a pool segment (shared_empty)  -> referenced where it lies: no copy
+    otherwise        -> copied once into a pooled, warm segment
+
+and described in the message header by ``[loc, where, offset, nbytes, readonly]``
+with ``loc`` 0 = inline frame index, 1 = segment name.  Decoding hands
+``pickle.loads`` views of those frames and segments, so numpy arrays come back
+viewing the shared memory itself.
+
+Besides what numpy already sends out of band (C- or F-contiguous arrays), the
+pickler sends non-contiguous arrays (as one contiguous copy) and CPU torch
+tensors (as their raw bytes) out of band too, instead of a large in-band pickle.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from .shm import SlotPool, align
+
+INLINE_LIMIT = 64 * 1024  # measured: below this a segment costs more than a frame copy
+INLINE, SEGMENT = 0, 1
+
+
+def _rebuild_tensor(raw: np.ndarray, dtype: str, shape: tuple, requires_grad: bool):
+    import torch
+
+    tensor = torch.from_numpy(raw).view(getattr(torch, dtype)).reshape(shape)
+    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+
+
+def _rebuild_readonly(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is np.ndarray:
+            if obj.flags.c_contiguous or obj.flags.f_contiguous or obj.dtype.hasobject:
+                return NotImplemented
+            copy = np.ascontiguousarray(obj)
+            if not obj.flags.writeable:
+                return _rebuild_readonly, (copy,)
+            return copy.__reduce_ex__(5)
+        torch = sys.modules.get("torch")
+        if torch is not None and type(obj) is torch.Tensor and obj.device.type == "cpu":
+            if obj.is_sparse or obj.is_quantized or obj.is_nested:
+                return NotImplemented
+            flat = obj.detach().contiguous().reshape(-1)
+            raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
+            dtype = str(obj.dtype).removeprefix("torch.")
+            return _rebuild_tensor, (raw, dtype, tuple(obj.shape), obj.requires_grad)
+        return NotImplemented
+
+
+def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    buffers: list[pickle.PickleBuffer] = []
+    stream = io.BytesIO()
+    _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(obj)
+    return stream.getvalue(), buffers
+
+
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, np.uint8).ctypes.data
+
+
+def encode(obj: Any, pool: SlotPool, what: str, holders: Iterable,
+           reuse_segments: bool = False,
+           inline_limit: int = INLINE_LIMIT) -> tuple[list, list, list[str]]:
+    """``(descriptors, frames, segment names)`` for one payload.
+
+    Raises whatever pickling raises, or SharedSlotAllocationFailed — in both cases
+    before anything was sent.  ``holders`` are who must let go of a new segment.
+    """
+    holders = list(holders)
+    stream, buffers = dumps(obj)
+    frames: list[Any] = [stream]
+    descriptors: list[list | None] = []
+    copies: list[tuple[int, memoryview]] = []
+    found_segments: list[str] = []
+    for pb in buffers:
+        raw = pb.raw()
+        n, ro = raw.nbytes, raw.readonly
+        if n < inline_limit:
+            descriptors.append([INLINE, len(frames), 0, n, ro])
+            frames.append(raw)
+            continue
+        found = pool.find(_address(raw), n) if reuse_segments else None
+        if found is not None:
+            seg, offset = found
+            descriptors.append([SEGMENT, seg.name, offset, n, ro])
+            if seg.name not in found_segments:
+                found_segments.append(seg.name)
+            continue
+        descriptors.append(None)  # filled once the copy segment is known
+        copies.append((len(descriptors) - 1, raw))
+    used = list(found_segments)
+    if copies:
+        total = sum(align(raw.nbytes) for _, raw in copies)
+        seg = pool.acquire(total, what, holders)
+        target = np.frombuffer(seg.mm, np.uint8)
+        offset = 0
+        for index, raw in copies:
+            n = raw.nbytes
+            np.copyto(target[offset:offset + n], np.frombuffer(raw, np.uint8))
+            descriptors[index] = [SEGMENT, seg.name, offset, n, raw.readonly]
+            offset += align(n)
+        del target
+        used.append(seg.name)
+    # Only now, with nothing left to fail, do the holders take the segments they view.
+    for name in found_segments:
+        for holder in holders:
+            pool.hold(name, holder)
+    return descriptors, frames, used
+
+
+def decode(descriptors: list, frames: list, segment_base: Callable[[str], np.ndarray]) -> Any:
+    """Rebuild a payload; ``segment_base(name)`` gives a uint8 array over a segment."""
+    if not frames:
+        raise ValueError("payload has no pickle frame")
+    views = []
+    bases: dict[str, np.ndarray] = {}
+    for loc, where, offset, n, ro in descriptors:
+        if loc == INLINE:
+            frame = frames[where]
+            view = memoryview(frame) if ro else memoryview(bytearray(frame))
+        else:
+            if where not in bases:
+                bases[where] = segment_base(where)
+            view = memoryview(bases[where][offset:offset + n])
+            if ro:
+                view = view.toreadonly()
+        if view.nbytes != n:
+            raise ValueError(f"buffer {len(views)} has {view.nbytes} bytes, expected {n}")
+        views.append(view)
+    bases.clear()
+    return pickle.loads(frames[0], buffers=views)

@@ -1,0 +1,91 @@
+"""Construction checks (DESIGN.md section 2) and how a fresh interpreter finds the class.
+
+Everything here runs in ``DistributedRunner.__init__``, before any process
+exists, so that a mistake costs the user an exception, not a hung start-up.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from typing import Any
+
+from .worker import DistributedWorker
+
+REQUIRED_METHODS = ("load", "generate", "reset")
+
+
+def check_world_size(world_size: Any) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(
+            f"world_size must be a positive int (one rank per GPU), got {world_size!r} "
+            f"of type {type(world_size).__name__}"
+        )
+    return world_size
+
+
+def check_methods(cls: Any) -> None:
+    if not isinstance(cls, type):
+        raise TypeError(f"worker_cls must be a class, got {type(cls).__name__} {cls!r}")
+    missing = [name for name in REQUIRED_METHODS if not callable(getattr(cls, name, None))]
+    if getattr(cls, "generate", None) is DistributedWorker.generate:
+        missing.append("generate")
+    if missing:
+        raise TypeError(
+            f"worker class {cls.__qualname__} is missing {', '.join(missing)}: a worker needs "
+            f"load(**load_kwargs), generate(input) and reset()"
+        )
+
+
+def locate(cls: type) -> dict[str, Any]:
+    """Where a fresh interpreter finds ``cls``: module name, qualname, and for
+    ``__main__`` the script path or ``-m`` module name.  TypeError when nowhere."""
+    qualname, module_name = cls.__qualname__, cls.__module__
+    if "<locals>" in qualname:
+        raise TypeError(
+            f"worker class {qualname} is defined inside a function, so the rank processes "
+            f"cannot import it. Move it to the top level of a module."
+        )
+    module = sys.modules.get(module_name)
+    where: dict[str, Any] = {"module": module_name, "qualname": qualname}
+    if module_name == "__main__":
+        spec = getattr(module, "__spec__", None)
+        path = getattr(module, "__file__", None)
+        if spec is not None and spec.name and spec.name != "__main__":
+            where["main_module"] = spec.name          # python -m pkg.app
+        elif path:
+            where["main_path"] = path                 # python app.py
+        else:
+            raise TypeError(
+                f"worker class {qualname} is defined in an interactive session or notebook "
+                f"cell, which the rank processes cannot import. Put it in a .py module and "
+                f"import it from there."
+            )
+    elif module is None or not (getattr(module, "__file__", None)
+                                or getattr(module, "__spec__", None)):
+        raise TypeError(f"worker class {qualname}: its module {module_name!r} is not importable")
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    if obj is not cls:
+        raise TypeError(
+            f"worker class {qualname} is not reachable as {module_name}.{qualname} "
+            f"(created dynamically or redefined?); define it once at module level"
+        )
+    return where
+
+
+def check_load_kwargs(load_kwargs: Any) -> dict[str, Any]:
+    if load_kwargs is None:
+        return {}
+    if not isinstance(load_kwargs, dict) or not all(isinstance(k, str) for k in load_kwargs):
+        raise TypeError(f"load_kwargs must be a dict with str keys, got {load_kwargs!r}")
+    for key, value in load_kwargs.items():
+        try:
+            pickle.dumps(value, protocol=5)
+        except Exception as exc:
+            raise TypeError(
+                f"load_kwargs[{key!r}] cannot be pickled ({type(exc).__name__}: {exc}); "
+                f"pass a path or plain data and build the object inside load()"
+            ) from None
+    return dict(load_kwargs)

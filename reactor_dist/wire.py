@@ -1,0 +1,92 @@
+"""Message framing and authentication on the runner's sockets (DESIGN.md sections 5, 7).
+
+A message is a ZeroMQ multipart::
+
+    [ mac | header | body frames ... ]
+
+``header`` is a msgpack map (kind, sequence number, rank, status, buffer
+descriptors, ...), the body frames are the pickle-5 stream and any small
+out-of-band buffers.  ``mac`` is HMAC-SHA256 under the per-runner secret over the
+length-prefixed header and body frames.  :func:`unpack` checks the MAC before it
+even decodes the msgpack header, so nothing a stranger sends is ever parsed,
+let alone unpickled.  Every malformed message raises :class:`ProtocolError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+
+MAC_SIZE = 32
+SECRET_SIZE = 32
+
+# Commands: runner -> every rank (PUB).
+PING = "ping"          # handshake probe, repeated until every rank answered
+INIT = "init"          # form the process group, then load()
+CALL = "call"          # generate / reset
+SHUTDOWN = "shutdown"  # leave the serve loop and exit
+COMMANDS = frozenset({PING, INIT, CALL, SHUTDOWN})
+
+# Replies: one rank -> runner (PUSH).
+PONG = "pong"          # handshake answer: pid, and rank 0's rendezvous port
+READY = "ready"        # load() finished (status ok) or raised (status raised)
+REPLY = "reply"        # outcome of one CALL
+REPLIES = frozenset({PONG, READY, REPLY})
+
+# Reply statuses.
+OK = "ok"                        # the method returned
+RAISED = "raised"                # the method (or decoding its input) raised
+UNDELIVERABLE = "undeliverable"  # rank 0 returned, but its result could not be sent
+
+_HEADER_TYPES: dict[str, type | tuple[type, ...]] = {
+    "k": str, "s": int, "r": int,
+}
+
+
+class ProtocolError(Exception):
+    """A message that is not ours: bad MAC, bad framing or a malformed header."""
+
+
+def _mac(secret: bytes, frames: Sequence[Any]) -> bytes:
+    digest = hmac.new(secret, digestmod=hashlib.sha256)
+    for frame in frames:
+        view = memoryview(frame)
+        digest.update(view.nbytes.to_bytes(8, "little"))
+        digest.update(view)
+    return digest.digest()
+
+
+def pack(secret: bytes, header: dict[str, Any], body: Sequence[Any] = ()) -> list[Any]:
+    """The multipart frames of one authenticated message."""
+    head = msgpack.packb(header, use_bin_type=True)
+    frames = [head, *body]
+    return [_mac(secret, frames), *frames]
+
+
+def unpack(secret: bytes, parts: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
+    """Verify and decode one message: ``(header, body frames)``, else ProtocolError."""
+    if len(parts) < 2:
+        raise ProtocolError(f"expected at least 2 frames (mac, header), got {len(parts)}")
+    mac = bytes(parts[0])
+    if len(mac) != MAC_SIZE:
+        raise ProtocolError(f"MAC frame has {len(mac)} bytes, expected {MAC_SIZE}")
+    frames = list(parts[1:])
+    if not hmac.compare_digest(mac, _mac(secret, frames)):
+        raise ProtocolError("MAC mismatch: message not signed with this runner's secret")
+    try:
+        header = msgpack.unpackb(frames[0], raw=False, strict_map_key=True)
+    except Exception as exc:  # only reachable with a valid MAC, i.e. our own bug
+        raise ProtocolError(f"undecodable header: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header is {type(header).__name__}, expected a map")
+    for key, kind in _HEADER_TYPES.items():
+        value = header.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ProtocolError(f"header field {key!r} is {value!r}")
+    if header["k"] not in COMMANDS and header["k"] not in REPLIES:
+        raise ProtocolError(f"unknown message kind {header['k']!r}")
+    return header, frames[1:]

@@ -1,0 +1,53 @@
+"""The optional base class of a worker: one instance per rank, in its own process.
+
+Any module-level class with a no-argument constructor and ``load``,
+``generate`` and ``reset`` works; this base adds the attributes the runner sets
+before ``load()`` and :meth:`DistributedWorker.shared_empty`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class DistributedWorker:
+    """One rank of a parallel model.
+
+    ``rank``, ``world_size`` and ``device`` are set by the runner before
+    ``load()``.  ``generate`` runs on every rank with the same input; only rank
+    0's return value reaches the caller.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+    _reactor_allocate = None  # set by the launcher: rank 0's shared-memory allocator
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def load(self, **load_kwargs: Any) -> None:
+        """Build the model once; weights stay loaded between calls."""
+
+    def generate(self, input: Any, /) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must implement generate()")
+
+    def reset(self) -> None:
+        """Clear per-session state, keep weights."""
+
+    def shared_empty(self, shape: int | tuple[int, ...], dtype: Any = np.uint8) -> np.ndarray:
+        """An uninitialised array in shared memory: returning it costs no copy at all.
+
+        Fill it (``torch.from_numpy(buf).copy_(gpu_tensor)``), return it (or an
+        object holding it) from ``generate``, and do not write to it afterwards:
+        the caller reads the same memory.  On ranks other than 0, whose results
+        are discarded, it is an ordinary array.  Raises SharedSlotAllocationFailed
+        when /dev/shm cannot hold it.
+        """
+        allocate = self._reactor_allocate
+        if allocate is None or self.rank != 0:
+            return np.empty(shape, dtype)
+        return allocate(shape, dtype)
