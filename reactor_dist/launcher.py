@@ -131,6 +131,7 @@ class RankServer:
         self.dropped: collections.deque[tuple[str, str]] = collections.deque()
         self.retired: list[str] = []
         self.inputs_released: list[str] = []
+        self.unchecked: set[str] = set()  # released input views not yet checked for writes
 
     # -- plumbing ------------------------------------------------------------------
     def connect(self) -> None:
@@ -268,6 +269,15 @@ class RankServer:
         reply["irel"], self.inputs_released = self.inputs_released, []
         reply["ret"], self.retired = self.retired, []
         self.send(reply, payload)
+        self.check_written_views()
+
+    def check_written_views(self) -> None:
+        """Drop mappings this rank wrote to; runs after the reply, off the caller's clock."""
+        while self.unchecked:
+            name = self.unchecked.pop()
+            view = self.input_views.get(name)
+            if view is not None and view.written():
+                self.input_views.pop(name).close()
 
     def settle(self) -> None:
         """Apply what finalizers queued: segments let go by the caller or the worker."""
@@ -275,13 +285,12 @@ class RankServer:
             name, holder = self.dropped.popleft()
             if holder == "input":
                 self.inputs_released.append(name)
-                view = self.input_views.get(name)
-                if view is not None and view.written():
-                    self.input_views.pop(name).close()
+                self.unchecked.add(name)
             else:
                 self.retired.extend(self.results.let_go(name, holder))
 
     def input_base(self, name: str) -> np.ndarray:
+        self.check_written_views()
         view = self.input_views.get(name)
         if view is None:
             view = self.input_views[name] = shm.PrivateView(self.shm_dir, name)
