@@ -53,10 +53,11 @@ def _free_port() -> int:
 
 
 def _private_dir() -> str:
-    path = tempfile.mkdtemp(prefix="reactor-dist-")  # mode 0700
+    prefix = f"reactor-dist-{os.getpid()}-"
+    path = tempfile.mkdtemp(prefix=prefix)  # mode 0700
     if len(path) > 90:  # ipc:// paths are limited to ~107 bytes
         os.rmdir(path)
-        path = tempfile.mkdtemp(prefix="reactor-dist-", dir="/tmp")
+        path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
     return path
 
 
@@ -110,13 +111,14 @@ class RankGroup:
         # Handshake: PING until every rank answered, so no later command is lost to a
         # subscription that has not reached the PUB socket yet (slow joiner).
         pongs = self.collect(wire.PONG, 0, deadline - time.monotonic(), "start()",
-                             tick=lambda: self.publish({"k": wire.PING, "s": 0}))
+                             tick=lambda: self.publish({"k": wire.PING, "s": 0}),
+                             stated_timeout=timeout)
         for rank, (header, _) in pongs.items():
             self._watch_launcher(rank, header.get("pid"))
         port = pongs[0][0].get("port") or 0
         self.publish({"k": wire.INIT, "s": 0, "port": port})
         ready = self.collect(wire.READY, 0, deadline - time.monotonic(), "start()",
-                             first_error=True)
+                             first_error=True, stated_timeout=timeout)
         for rank, (header, body) in ready.items():
             if header.get("st") == wire.RAISED:
                 raise rebuild_exception(header["e"], body[0] if body else None, rank)
@@ -162,7 +164,8 @@ class RankGroup:
         self.pub.send_multipart(wire.pack(self.secret, header, body), copy=False)
 
     def collect(self, kind: str, seq: int, timeout: float | None, what: str,
-                tick=None, first_error: bool = False) -> dict[int, tuple[dict, list]]:
+                tick=None, first_error: bool = False,
+                stated_timeout: float | None = None) -> dict[int, tuple[dict, list]]:
         """Wait for ``kind``/``seq`` from every rank; WorkerCrashed on a death,
         WorkerTimeout at the deadline.  With ``first_error`` a RAISED reply ends
         the wait at once (start-up: a failed load() makes the rest pointless)."""
@@ -193,7 +196,7 @@ class RankGroup:
             if deadline is not None and time.monotonic() >= deadline and \
                     len(replies) < self.world_size:
                 silent = [r for r in range(self.world_size) if r not in replies]
-                raise self.timed_out(silent, timeout, what, replies)
+                raise self.timed_out(silent, stated_timeout or timeout, what, replies)
         return replies
 
     def drain(self) -> list[tuple[dict, list]]:

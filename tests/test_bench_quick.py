@@ -1,0 +1,28 @@
+"""`make bench-quick` must keep working: it runs, cleans up after itself and writes its
+results file and plots. Timings are not checked (benchmarks measure, never assert)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(240)
+def test_quick_bench_runs_and_writes_results(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=230,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    mds = list(tmp_path.glob("*.md"))
+    assert len(mds) == 1, list(tmp_path.iterdir())
+    assert list(tmp_path.glob("*.png")), list(tmp_path.iterdir())
+    text = mds[0].read_text()
+    assert "empty generate(), world_size 2" in text
+    assert "Problems in this run" not in text
+    assert "empty generate(), world_size 2" in proc.stdout  # the table reached stdout

@@ -1,0 +1,122 @@
+"""DESIGN.md section 2: everything checked at construction, before any process exists."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import types
+
+import psutil
+import pytest
+from sample_workers import NoMethods, OnlyLoad, ScriptedWorker
+
+from reactor_dist import DistributedRunner, DistributedWorker
+
+
+def no_children() -> bool:
+    return psutil.Process().children(recursive=True) == []
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.0, 2.5, "2", True, False, None])
+def test_world_size_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match=r"world_size must be a positive int.*" + type(bad).__name__):
+        DistributedRunner(ScriptedWorker, world_size=bad)
+    assert no_children()
+
+
+def test_missing_methods_are_each_named():
+    with pytest.raises(TypeError) as info:
+        DistributedRunner(NoMethods)
+    assert "missing load, generate, reset" in str(info.value)
+    with pytest.raises(TypeError, match=r"OnlyLoad is missing generate, reset"):
+        DistributedRunner(OnlyLoad)
+
+
+def test_base_class_generate_does_not_count():
+    class_ = type("Bare", (DistributedWorker,), {"__module__": "sample_workers"})
+    with pytest.raises(TypeError, match="missing generate"):
+        DistributedRunner(class_)
+
+
+def test_not_a_class():
+    with pytest.raises(TypeError, match="must be a class"):
+        DistributedRunner(ScriptedWorker())
+
+
+def test_local_class_is_refused_with_the_fix():
+    class Local(DistributedWorker):
+        def generate(self, x):
+            return x
+
+    with pytest.raises(TypeError, match="defined inside a function.*top level of a module"):
+        DistributedRunner(Local)
+    assert no_children()
+
+
+def test_notebook_class_is_refused_with_the_fix(monkeypatch):
+    fake_main = types.ModuleType("__main__")  # an interactive session: no __file__
+    monkeypatch.setitem(sys.modules, "__main__", fake_main)
+    cls = type("CellWorker", (DistributedWorker,), {"generate": lambda self, x: x,
+                                                     "__module__": "__main__"})
+    fake_main.CellWorker = cls
+    with pytest.raises(TypeError, match="interactive session or notebook.*\\.py module"):
+        DistributedRunner(cls)
+
+
+def test_unreachable_class_is_refused():
+    cls = type("Ghost", (DistributedWorker,), {"generate": lambda self, x: x,
+                                                "__module__": "sample_workers"})
+    with pytest.raises(TypeError, match="not reachable as sample_workers.Ghost"):
+        DistributedRunner(cls)
+
+
+def test_unpicklable_load_kwarg_is_named():
+    with pytest.raises(TypeError, match=r"load_kwargs\['lock'\] cannot be pickled"):
+        DistributedRunner(ScriptedWorker, load_kwargs={"log_dir": None, "lock": threading.Lock()})
+    assert no_children()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"call_timeout": 0}, "call_timeout must be a positive"),
+    ({"start_timeout": -1}, "start_timeout must be a positive"),
+    ({"device": "tpu"}, "device must be"),
+    ({"world_size": 2, "gpus": [0]}, "one GPU per rank"),
+])
+def test_bad_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DistributedRunner(ScriptedWorker, **kwargs)
+
+
+def test_calls_before_start_and_second_start():
+    runner = DistributedRunner(ScriptedWorker, init_process_group=False, device="cpu")
+    with pytest.raises(RuntimeError, match=r"start\(\) has not run"):
+        runner.generate(1)
+    with pytest.raises(RuntimeError, match=r"start\(\) has not run"):
+        runner.reset()
+    assert not runner.healthy
+    runner.start()
+    try:
+        with pytest.raises(RuntimeError, match="starts once"):
+            runner.start()
+        assert runner.healthy
+    finally:
+        runner.shutdown()
+    assert not runner.healthy
+    with pytest.raises(RuntimeError, match="unusable"):
+        runner.generate(1)
+    runner.shutdown()  # idempotent
+
+
+def test_launcher_help():
+    out = subprocess.run([sys.executable, "-m", "reactor_dist.launcher", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert "reactor-dist-worker" in out.stdout and "launch_prefix" in out.stdout
+
+
+def test_launcher_refuses_to_run_without_bootstrap():
+    out = subprocess.run([sys.executable, "-m", "reactor_dist.launcher"], input=b"",
+                         capture_output=True, timeout=60)
+    assert out.returncode != 0
+    assert b"started by DistributedRunner" in out.stderr
