@@ -1,0 +1,171 @@
+"""DESIGN.md sections 4 and 5: rank processes, their environment, output, order, threads."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import psutil
+from conftest import wait_gone
+from sample_workers import ScriptedWorker
+
+from reactor_dist import DistributedRunner
+
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fast_runner(world_size: int = 2, **kw) -> DistributedRunner:
+    kw.setdefault("init_process_group", False)
+    kw.setdefault("device", "cpu")
+    return DistributedRunner(ScriptedWorker, world_size=world_size, **kw)
+
+
+def test_torchrun_environment_in_ranks_only(tmp_path):
+    before = {k: os.environ.get(k) for k in TORCHRUN_VARS}
+    with fast_runner(2, env={"EXTRA": "yes"}, gpus=[3, 5]) as runner:
+        seen = runner.generate({"op": "env"})
+        assert seen["device"] == "cpu"
+        env = seen["env"]
+        assert env["RANK"] == "0" and env["LOCAL_RANK"] == "0"
+        assert env["WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+        assert env["CUDA_VISIBLE_DEVICES"] == "3,5"
+        assert env["EXTRA"] == "yes"
+    assert {k: os.environ.get(k) for k in TORCHRUN_VARS} == before
+    assert "EXTRA" not in os.environ
+
+
+def test_launch_prefix_keeps_the_rank_pid_watched(log_dir):
+    with fast_runner(2, load_kwargs={"log_dir": log_dir}, launch_prefix=["env", "PREFIXED={rank}"]) \
+            as runner:
+        runner.generate("x")
+        pids = [r.pid for r in runner._group.ranks]
+        launchers = [r.launcher_pid for r in runner._group.ranks]
+    # env(1) execs the launcher, so the wrapped rank keeps its pid
+    assert pids == launchers
+
+
+def test_launch_prefix_wraps_each_rank_with_rank_substituted():
+    with fast_runner(2, launch_prefix=["env", "PREFIXED=numa-{rank}"]) as runner:
+        assert runner.generate({"op": "env"})["env"]["PREFIXED"] == "numa-0"
+
+
+def test_all_gather_over_gloo_returns_the_gathered_result_from_rank0():
+    with DistributedRunner(ScriptedWorker, world_size=2, device="cpu") as runner:
+        out = runner.generate({"op": "allgather"})
+        np.testing.assert_array_equal(out, [1.0, 1.0, 2.0, 2.0])
+        env = runner.generate({"op": "env"})["env"]
+        assert int(env["MASTER_PORT"]) > 0  # rank 0's rendezvous port, reported, not guessed
+
+
+def test_requests_reach_every_rank_in_the_same_order(log_dir):
+    with fast_runner(3, load_kwargs={"log_dir": log_dir}) as runner:
+        for i in range(40):
+            if i % 7 == 0:
+                runner.reset()
+            else:
+                assert runner.generate(i) == i
+    logs = []
+    for rank in range(3):
+        with open(os.path.join(log_dir, f"rank{rank}.log")) as f:
+            logs.append(f.read())
+    assert logs[0] == logs[1] == logs[2]
+    assert logs[0].count("reset") == 6 and logs[0].count("echo") == 34
+
+
+def test_calls_from_many_threads_are_serialized(log_dir):
+    errors, results = [], {}
+    with fast_runner(2, load_kwargs={"log_dir": log_dir}) as runner:
+        def hammer(thread: int) -> None:
+            try:
+                for i in range(25):
+                    value = (thread, i)
+                    results[value] = runner.generate(value)
+            except Exception as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=hammer, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert runner.healthy
+    assert errors == []
+    assert all(k == v for k, v in results.items()) and len(results) == 100
+    with open(os.path.join(log_dir, "rank0.log")) as f0, open(os.path.join(log_dir, "rank1.log")) as f1:
+        assert f0.read() == f1.read()
+
+
+def test_a_child_process_of_a_worker_ends_with_the_rank():
+    with fast_runner(2) as runner:
+        child = runner.generate({"op": "spawn_child"})
+        assert psutil.pid_exists(child)
+    assert wait_gone([child]) == []
+
+
+def test_private_directory_is_0700_and_removed():
+    runner = fast_runner(1)
+    runner.start()
+    ipc_dir = runner._group.ipc_dir
+    assert stat.S_IMODE(os.stat(ipc_dir).st_mode) == 0o700
+    assert sorted(os.listdir(ipc_dir)) == ["cmd", "reply"]
+    pids = [r.pid for r in runner._group.ranks]
+    runner.shutdown()
+    assert not os.path.exists(ipc_dir)
+    assert wait_gone(pids) == []
+
+
+def run_script(tmp_path, code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+
+
+MAIN_SCRIPT = textwrap.dedent("""
+    import dataclasses
+    from reactor_dist import DistributedRunner, DistributedWorker
+
+    @dataclasses.dataclass
+    class Answer:
+        rank: int
+        text: str
+
+    class MainWorker(DistributedWorker):
+        def load(self, greeting):
+            self.greeting = greeting
+            print("loaded", greeting)
+
+        def generate(self, name):
+            return Answer(self.rank, f"{self.greeting}, {name}")
+
+    if __name__ == "__main__":
+        with DistributedRunner(MainWorker, world_size=2, load_kwargs={"greeting": "hello"},
+                               init_process_group=False, device="cpu") as runner:
+            answer = runner.generate("world")
+            print("RESULT", type(answer).__name__, answer.rank, answer.text)
+""")
+
+
+def test_worker_class_in_a_main_script(tmp_path):
+    (tmp_path / "app.py").write_text(MAIN_SCRIPT)
+    out = run_script(tmp_path, MAIN_SCRIPT, "app.py")
+    assert out.returncode == 0, out.stderr
+    assert "RESULT Answer 0 hello, world" in out.stdout
+    # rank output reaches the application's stderr, prefixed
+    assert "[rank 0] loaded hello" in out.stderr and "[rank 1] loaded hello" in out.stderr
+
+
+def test_worker_class_in_a_main_module_run_with_dash_m(tmp_path):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "app.py").write_text(MAIN_SCRIPT)
+    out = run_script(tmp_path, MAIN_SCRIPT, "-m", "mypkg.app")
+    assert out.returncode == 0, out.stderr
+    assert "RESULT Answer 0 hello, world" in out.stdout
