@@ -37,7 +37,7 @@ import psutil
 import zmq
 
 from . import shm, transfer, wire
-from .errors import describe, pickle_exception
+from .errors import SharedSlotAllocationFailed, describe, pickle_exception
 
 RESULT_HOLDER, WORKER_HOLDER = "caller", "worker"
 
@@ -250,6 +250,11 @@ class RankServer:
             else:
                 self.worker.reset()
                 result = None
+        except SharedSlotAllocationFailed as exc:
+            # shared_empty() allocates on rank 0 alone: a full /dev/shm is a delivery
+            # failure, not a disagreement between ranks (the others never allocate).
+            reply["st"], error = wire.UNDELIVERABLE, exc
+            value = result = None
         except BaseException as exc:
             reply["st"], error = wire.RAISED, exc
             value = result = None

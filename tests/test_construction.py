@@ -20,7 +20,8 @@ def no_children() -> bool:
 
 @pytest.mark.parametrize("bad", [0, -1, 1.0, 2.5, "2", True, False, None])
 def test_world_size_must_be_a_positive_int(bad):
-    with pytest.raises(ValueError, match=r"world_size must be a positive int.*" + type(bad).__name__):
+    expected = r"world_size must be a positive int.*" + type(bad).__name__
+    with pytest.raises(ValueError, match=expected):
         DistributedRunner(ScriptedWorker, world_size=bad)
     assert no_children()
 

@@ -150,7 +150,8 @@ def test_timeout_mentions_ranks_that_raised_first():
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_load_error_is_raised_by_start_and_leaves_nothing(world_size):
     runner = runner_for(world_size, load_kwargs={"fail_load_on": [world_size - 1]})
-    with pytest.raises(FileNotFoundError, match=f"weights missing on rank {world_size - 1}") as info:
+    expected = f"weights missing on rank {world_size - 1}"
+    with pytest.raises(FileNotFoundError, match=expected) as info:
         runner.start()
     assert "remote traceback" in str(info.value.__cause__)
     assert runner._group.ranks == []

@@ -43,8 +43,8 @@ def test_torchrun_environment_in_ranks_only(tmp_path):
 
 
 def test_launch_prefix_keeps_the_rank_pid_watched(log_dir):
-    with fast_runner(2, load_kwargs={"log_dir": log_dir}, launch_prefix=["env", "PREFIXED={rank}"]) \
-            as runner:
+    prefix = ["env", "PREFIXED={rank}"]
+    with fast_runner(2, load_kwargs={"log_dir": log_dir}, launch_prefix=prefix) as runner:
         runner.generate("x")
         pids = [r.pid for r in runner._group.ranks]
         launchers = [r.launcher_pid for r in runner._group.ranks]
@@ -99,8 +99,8 @@ def test_calls_from_many_threads_are_serialized(log_dir):
         assert runner.healthy
     assert errors == []
     assert all(k == v for k, v in results.items()) and len(results) == 100
-    with open(os.path.join(log_dir, "rank0.log")) as f0, open(os.path.join(log_dir, "rank1.log")) as f1:
-        assert f0.read() == f1.read()
+    logs = [open(os.path.join(log_dir, f"rank{r}.log")).read() for r in (0, 1)]
+    assert logs[0] == logs[1]
 
 
 def test_a_child_process_of_a_worker_ends_with_the_rank():
