@@ -1,0 +1,70 @@
+"""How much of each benchmark to run: the full suite must fit in 5 minutes on 2 cores,
+``--quick`` in 1 minute, so every loop length lives here and nowhere else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FRAME_SHAPE = (81, 480, 832, 3)  # 81 frames of 480x832 RGB: one video step, 97 MB
+
+
+@dataclass(frozen=True)
+class Payload:
+    """A result or input size: flat uint8 except the real video step."""
+
+    label: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+PAYLOADS = (
+    Payload("1 MB", (1_000_000,)),
+    Payload("16 MB", (16_000_000,)),
+    Payload("97 MB", FRAME_SHAPE),
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    quick: bool
+    world_sizes: tuple[int, ...] = (1, 2, 4)
+    call_iters: int = 2000  # empty calls per configuration
+    call_warmup: int = 200
+    baseline_call_iters: int = 500  # the baselines are slower; fewer calls give the same spread
+    transfer_iters: tuple[int, ...] = (60, 30, 15)  # per payload, same order as PAYLOADS
+    transfer_warmup: int = 3
+    # after the checked first call (a 97 MB mp-queue echo takes a second)
+    baseline_transfer_warmup: int = 1
+    baseline_transfer_iters: tuple[int, ...] = (30, 12, 7)
+    copy_iters: int = 50
+    crash_trials: int = 8
+    timeout_trials: int = 3
+    call_timeout_s: float = 0.5
+    startup_world_sizes: tuple[int, ...] = (1, 2, 4)
+    startup_trials: int = 3
+    payloads: tuple[Payload, ...] = PAYLOADS
+
+
+FULL = Settings(quick=False)
+
+QUICK = Settings(
+    quick=True,
+    call_iters=300,
+    call_warmup=50,
+    baseline_call_iters=100,
+    transfer_iters=(15, 8, 5),
+    transfer_warmup=2,
+    baseline_transfer_warmup=0,
+    baseline_transfer_iters=(5, 3, 3),
+    copy_iters=10,
+    crash_trials=3,
+    timeout_trials=1,
+    startup_world_sizes=(1, 2),
+    startup_trials=1,
+)

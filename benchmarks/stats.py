@@ -1,0 +1,68 @@
+"""Summaries of repeated trials: a median alone hides the tail a user will hit."""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Seconds per trial, summarised; keeps the raw samples for the plots."""
+
+    samples: tuple[float, ...]
+
+    @property
+    def n(self) -> int:
+        return len(self.samples)
+
+    def pct(self, q: float) -> float:
+        return float(np.percentile(self.samples, q))
+
+    @property
+    def median(self) -> float:
+        return self.pct(50)
+
+    @property
+    def p10(self) -> float:
+        return self.pct(10)
+
+    @property
+    def p90(self) -> float:
+        return self.pct(90)
+
+    @property
+    def p99(self) -> float:
+        return self.pct(99)
+
+
+def summarize(samples: Sequence[float]) -> Stats:
+    if not samples:
+        raise ValueError("no samples")
+    return Stats(tuple(float(s) for s in samples))
+
+
+def time_calls(fn: Callable[[], object], *, n: int, warmup: int) -> Stats:
+    """Time ``fn`` n times after ``warmup`` untimed calls.
+
+    The result of each call is dropped before the next one starts, so that pools which
+    recycle memory once the caller lets go are measured in their steady state. The
+    garbage collector stays on (its pauses are part of what a caller pays and show in
+    p99); it is only emptied once before the loop so earlier benchmarks don't leak in.
+    """
+    for _ in range(warmup):
+        out = fn()
+        del out
+    gc.collect()
+    samples: list[float] = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        out = fn()
+        t1 = time.perf_counter()
+        del out
+        samples.append(t1 - t0)
+    return summarize(samples)
