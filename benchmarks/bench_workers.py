@@ -1,0 +1,53 @@
+"""Workers the benchmarks run under our runner; module level so a fresh interpreter
+(each rank) can import them by name."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from benchmarks.workload import BenchModel
+from reactor_dist import DistributedWorker
+
+
+class BenchWorker(DistributedWorker):
+    """Runs ``BenchModel``, the same step the baselines run (see ``workload.py``).
+
+    ``pid_dir``: each rank writes its pid to ``<pid_dir>/rank<N>.pid`` in ``load()``, so
+    the failure benchmark knows which process to SIGKILL.
+    """
+
+    def load(self, *, result_shapes: list[tuple[int, ...]] = (),  # type: ignore[assignment]
+             pid_dir: str | None = None, **_: Any) -> None:
+        self.model = BenchModel(self.rank, result_shapes)
+        if pid_dir is not None:
+            path = os.path.join(pid_dir, f"rank{self.rank}.pid")
+            with open(path + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(path + ".tmp", path)  # the reader never sees a half-written pid
+
+    def generate(self, input: Any, /) -> Any:
+        return self.model.step(input, self.shared_empty)
+
+    def reset(self) -> None:
+        pass
+
+
+class TorchWorker(DistributedWorker):
+    """What start-up costs for a real model's worker before its weights: torch, and the
+    process group proven usable by one collective."""
+
+    def load(self, **_: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.ones(1)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(t)
+        self.ready = float(t.item())
+
+    def generate(self, input: Any, /) -> Any:
+        return None
+
+    def reset(self) -> None:
+        pass

@@ -1,0 +1,51 @@
+"""What a run measured (raw trials by key) and the rows the report prints from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from benchmarks.stats import Stats
+
+FLOOR = "floor"
+
+
+@dataclass
+class Results:
+    """Trials keyed by (metric, configuration, implementation); the families fill it,
+    the report and plots read it."""
+
+    stats: dict[tuple[str, str, str], Stats] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def put(self, metric: str, config: str, impl: str, stats: Stats) -> None:
+        self.stats[(metric, config, impl)] = stats
+
+    def get(self, metric: str, config: str, impl: str) -> Stats | None:
+        return self.stats.get((metric, config, impl))
+
+
+@dataclass
+class Row:
+    """One line of the table: ours next to its floor and the baselines, with the target."""
+
+    section: str
+    case: str
+    unit: str  # "us", "ms" or "s": how the row's seconds are printed
+    ours: Stats | None
+    floor: Stats | None = None
+    floor_label: str = ""
+    baselines: dict[str, Stats | None] = field(default_factory=dict)
+    target: str = ""
+    met: bool | None = None
+
+    @property
+    def over_floor(self) -> float | None:
+        if self.ours is None or self.floor is None or self.floor.median <= 0:
+            return None
+        return self.ours.median / self.floor.median
+
+    def speedup(self, baseline: str) -> float | None:
+        b = self.baselines.get(baseline)
+        if self.ours is None or b is None or self.ours.median <= 0:
+            return None
+        return b.median / self.ours.median
