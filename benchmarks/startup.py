@@ -1,0 +1,47 @@
+"""Family 5, start-up: ``start()`` until every rank finished ``load()`` with a worker that
+imports torch and forms the process group, next to the same number of bare
+``python -c "import torch"`` started in parallel (what the interpreters alone cost)."""
+
+from __future__ import annotations
+
+import time
+
+from benchmarks import floors
+from benchmarks.config import Settings
+from benchmarks.pools import OURS
+from benchmarks.results import FLOOR, Results, Row
+from benchmarks.stats import summarize
+
+
+def start_trial(world_size: int) -> float:
+    from benchmarks.bench_workers import TorchWorker
+    from reactor_dist import DistributedRunner
+
+    runner = DistributedRunner(TorchWorker, world_size=world_size, init_process_group=True,
+                               start_timeout=300.0)
+    try:
+        t0 = time.perf_counter()
+        runner.start()
+        return time.perf_counter() - t0
+    finally:
+        runner.shutdown()
+
+
+def measure(results: Results, s: Settings) -> None:
+    for ws in s.startup_world_sizes:
+        ours, bare = [], []
+        for _ in range(s.startup_trials):  # interleaved, so drift hits both alike
+            ours.append(start_trial(ws))
+            bare.append(floors.bare_torch_imports(ws))
+        results.put("start", f"ws{ws}", OURS, summarize(ours))
+        results.put("start", f"ws{ws}", FLOOR, summarize(bare))
+
+
+def rows(results: Results, s: Settings) -> list[Row]:
+    return [
+        Row(section="Start-up (torch worker, process group)", case=f"start() world_size {ws}",
+            unit="s", ours=results.get("start", f"ws{ws}", OURS),
+            floor=results.get("start", f"ws{ws}", FLOOR),
+            floor_label=f'{ws}× parallel python -c "import torch"')
+        for ws in s.startup_world_sizes
+    ]
