@@ -1,0 +1,165 @@
+"""PNG plots of a run (matplotlib, Agg): bars are medians, whiskers p10–p90, dots p99."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+
+from benchmarks.config import Settings  # noqa: E402
+from benchmarks.pools import JSON, MPQ, OURS  # noqa: E402
+from benchmarks.results import FLOOR, Results  # noqa: E402
+from benchmarks.stats import Stats  # noqa: E402
+
+COLORS = {"floor": "#9e9e9e", OURS: "#1f77b4", "ours shared_empty": "#17becf",
+          JSON: "#ff7f0e", MPQ: "#d62728"}
+
+
+def _bars(ax: Axes, groups: Sequence[str], series: dict[str, Sequence[Stats | None]],
+          scale: float, unit: str, *, log: bool = False) -> None:
+    n = len(series)
+    width = 0.8 / max(n, 1)
+    for i, (name, values) in enumerate(series.items()):
+        xs, ys, lo, hi, p99x, p99y = [], [], [], [], [], []
+        for g, st in enumerate(values):
+            if st is None:
+                continue
+            x = g - 0.4 + width * (i + 0.5)
+            xs.append(x)
+            ys.append(st.median * scale)
+            lo.append((st.median - st.p10) * scale)
+            hi.append((st.p90 - st.median) * scale)
+            p99x.append(x)
+            p99y.append(st.p99 * scale)
+        if not xs:
+            continue
+        color = COLORS["floor"] if name.startswith("floor") else COLORS.get(name)
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=name, color=color,
+               edgecolor="black", linewidth=0.4)
+        ax.plot(p99x, p99y, ".", color="black", markersize=3)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, fontsize=8)
+    ax.set_ylabel(unit)
+    if log:
+        ax.set_yscale("log")
+    else:
+        _clip_tails(ax, series, scale)
+    ax.grid(axis="y", alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+
+
+def _clip_tails(ax: Axes, series: dict[str, Sequence[Stats | None]], scale: float) -> None:
+    """On a linear axis a single p99 outlier would flatten every bar: cap the axis at
+    1.5× the highest p90 and print the clipped p99 values at the top instead."""
+    top = 1.5 * max((st.p90 * scale for v in series.values() for st in v if st), default=0)
+    if top <= 0:
+        return
+    ax.set_ylim(0, top)
+    n = len(series)
+    width = 0.8 / max(n, 1)
+    for i, values in enumerate(series.values()):
+        for g, st in enumerate(values):
+            if st is not None and st.p99 * scale > top:
+                x = g - 0.4 + width * (i + 0.5)
+                ax.annotate(f"p99\n{st.p99 * scale:.0f}", (x, top), xytext=(0, -2),
+                            textcoords="offset points", ha="center", va="top", fontsize=6)
+
+
+def overhead_panel(ax: Axes, r: Results, s: Settings) -> None:
+    groups = [f"world_size {ws}" for ws in s.world_sizes]
+    impls = {"floor": FLOOR, OURS: OURS, JSON: JSON, MPQ: MPQ}
+    _bars(ax, groups, {k: [r.get("call", f"ws{ws}", v) for ws in s.world_sizes]
+                       for k, v in impls.items()}, 1e6, "µs per empty generate()")
+    ax.set_title("Per-call overhead (floor: raw pyzmq fan-out + gather)", fontsize=9)
+
+
+def frames_panel(ax: Axes, r: Results, s: Settings) -> None:
+    labels = [p.label for p in s.payloads]
+    _bars(ax, labels, {
+        "floor": [r.get("copy", lb, FLOOR) for lb in labels],
+        OURS: [r.get("result-plain", lb, OURS) for lb in labels],
+        "ours shared_empty": [r.get("result-shared", lb, OURS) for lb in labels],
+        JSON: [r.get("result-plain", lb, JSON) for lb in labels],
+        MPQ: [r.get("result-plain", lb, MPQ) for lb in labels],
+    }, 1e3, "ms per step (log)", log=True)
+    ax.set_title("Frames back, world_size 2 (floor: warm np.copyto)", fontsize=9)
+
+
+def broadcast_panel(ax: Axes, r: Results, s: Settings) -> None:
+    cfgs = [(p.label, f"{p.label} ws{ws}", f"{p.label} in\nws {ws}")
+            for ws in (2, 4) if ws in s.world_sizes for p in s.payloads]
+    groups = [c[2] for c in cfgs] + [f"{p.label} in+echo\nws 2" for p in s.payloads]
+
+    def pick(impl: str) -> list[Stats | None]:
+        return ([r.get("input", c[1], impl) for c in cfgs]
+                + [r.get("echo", p.label, impl) for p in s.payloads])
+
+    floor = [r.get("copy", c[0], FLOOR) for c in cfgs] + [r.get("copy", p.label, FLOOR)
+                                                        for p in s.payloads]
+    _bars(ax, groups, {"floor": floor, OURS: pick(OURS), JSON: pick(JSON), MPQ: pick(MPQ)},
+          1e3, "ms per step (log)", log=True)
+    ax.set_title("Input broadcast and input + echo (floor: warm np.copyto)", fontsize=9)
+
+
+def failure_panel(ax: Axes, r: Results, s: Settings) -> None:
+    groups = ["SIGKILL rank 0", "SIGKILL rank 1", f"hang, timeout {s.call_timeout_s:g} s"]
+    ours = [r.get("crash", "rank0", OURS), r.get("crash", "rank1", OURS),
+            r.get("timeout", "all", OURS)]
+    _bars(ax, groups, {OURS: ours}, 1e3, "ms to the exception (log)", log=True)
+    ax.axhline(100, color="green", linestyle="--", linewidth=0.8, label="crash target 100 ms")
+    ax.axhline(s.call_timeout_s * 1e3, color="gray", linestyle=":", linewidth=0.8,
+               label="call_timeout")
+    ax.legend(fontsize=7)
+    ax.set_title("Failure notice, world_size 2", fontsize=9)
+
+
+def startup_panel(ax: Axes, r: Results, s: Settings) -> None:
+    wss = s.startup_world_sizes
+    _bars(ax, [f"world_size {ws}" for ws in wss], {
+        'floor: N× bare "import torch"': [r.get("start", f"ws{ws}", FLOOR) for ws in wss],
+        OURS: [r.get("start", f"ws{ws}", OURS) for ws in wss],
+    }, 1.0, "s to ready")
+    ax.set_title("Start-up with torch + process group", fontsize=9)
+
+
+Panel = Callable[[Axes, Results, Settings], None]
+PANELS: dict[str, Panel] = {
+    "overhead": overhead_panel,
+    "frames": frames_panel,
+    "broadcast": broadcast_panel,
+    "failure": failure_panel,
+    "startup": startup_panel,
+}
+
+
+def write_all(r: Results, s: Settings, out_dir: Path, stem: str) -> list[Path]:
+    """One PNG per family plus an overview of all of them; returns the paths, overview
+    first."""
+    paths = []
+    fig = plt.figure(figsize=(13, 13))
+    grid = fig.add_gridspec(3, 2)
+    places = {"overhead": grid[0, 0], "frames": grid[0, 1], "broadcast": grid[1, :],
+              "failure": grid[2, 0], "startup": grid[2, 1]}
+    fig.suptitle(f"reactor_dist benchmarks, {stem}"
+                 " (bars: median, whiskers: p10–p90, dots: p99)", fontsize=11)
+    for name, panel in PANELS.items():
+        panel(fig.add_subplot(places[name]), r, s)
+    fig.tight_layout()
+    path = out_dir / f"{stem}-overview.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+    for name, panel in PANELS.items():
+        fig, ax = plt.subplots(figsize=(11 if name == "broadcast" else 6.5, 4.2))
+        panel(ax, r, s)
+        fig.tight_layout()
+        path = out_dir / f"{stem}-{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -1,0 +1,150 @@
+"""``python -m benchmarks.run [--quick] [--out DIR]``: run every family, print the table,
+write ``<out>/<date>-<host>.md`` and PNG plots beside it.
+
+A full run into the default directory also refreshes ``benchmarks/README_PERFORMANCE.md``
+(the README's "Performance" section) and ``docs/bench_overview.png`` (the plot the
+README shows), so both always come from one run on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import shutil
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks import (
+    broadcast,
+    failure,
+    frames,
+    hygiene,
+    machine,
+    overhead,
+    report,
+    startup,
+    transport,
+)
+from benchmarks.config import FULL, QUICK, Settings
+from benchmarks.results import Results, Row
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "results"
+README_SNIPPET = HERE / "README_PERFORMANCE.md"
+DOCS_PLOT = HERE.parent / "docs" / "bench_overview.png"
+
+FAMILIES: list[tuple[str, Callable[[Settings, Results], None]]] = [
+    ("per-call overhead, frames back, input broadcast", transport.measure),
+    ("failure notice", lambda s, r: failure.measure(r, s)),
+    ("start-up", lambda s, r: startup.measure(r, s)),
+]
+
+
+def collect_rows(r: Results, s: Settings) -> list[Row]:
+    return (overhead.rows(r, s) + frames.rows(r, s) + broadcast.rows(r, s)
+            + failure.rows(r, s) + startup.rows(r, s))
+
+
+def markdown(rows: list[Row], r: Results, s: Settings, *, stem: str, when: str,
+             plots: list[Path], wall_s: float, problems: list[str]) -> str:
+    mode = "quick (`make bench-quick`)" if s.quick else "full (`make bench`)"
+    out = [
+        f"# reactor_dist benchmarks: {stem}",
+        "",
+        f"Run {when}, {mode}, {wall_s:.0f} s. Machine: {machine.describe()}.",
+        "",
+        "Medians over repeated trials; spread p10–p90 and p99 of the same trials. "
+        "Speed-up = baseline median ÷ ours. Floors measured in the same run:",
+        "",
+        *[f"- {f}" for f in report.floors_legend(rows)],
+        "",
+        report.markdown_table(rows),
+        "",
+        "Baselines: `json-subprocess` is a subprocess per rank with a JSON request/reply "
+        "loop over stdin/stdout and arrays through temporary `.npy` files; `mp-queue` is a "
+        "multiprocessing spawn pool with one Queue per rank each way and pickled payloads "
+        "(`benchmarks/baselines/`). They have no `shared_empty`: its rows compare against "
+        "their plain-array result. Ratio targets are set on the 97 MB video step.",
+        "",
+    ]
+    if r.notes or problems:
+        out += ["## Problems in this run", ""] + [f"- {n}" for n in r.notes + problems] + [""]
+    else:
+        out += ["No /dev/shm entry and no process outlived the run.", ""]
+    out += [f"![{p.stem}]({p.name})" for p in plots]
+    return "\n".join(out) + "\n"
+
+
+def readme_snippet(rows: list[Row], *, when: str, plot: str) -> str:
+    return "\n".join([
+        "## Performance",
+        "",
+        f"Measured by `make bench` on {when}: {machine.describe()}. "
+        "Each figure is the median over repeated trials (spread in the results file), "
+        "next to this machine's floor measured in the same run and two baselines a user "
+        "would otherwise write: `json-subprocess` (a subprocess per rank, JSON over "
+        "stdin/stdout, frames through temporary `.npy` files) and `mp-queue` (a "
+        "multiprocessing spawn pool with a Queue per rank and pickled payloads).",
+        "",
+        report.markdown_table(rows),
+        "",
+        f"![benchmarks]({plot})",
+        "",
+        "Reproduce with `make bench` (about 3 minutes on 2 cores) or `make bench-quick`; "
+        "results land in `benchmarks/results/`.",
+        "",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="fewer trials: under a minute")
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"directory for the .md and .png files (default {DEFAULT_OUT})")
+    args = ap.parse_args(argv)
+    s = QUICK if args.quick else FULL
+    out_dir: Path = args.out or DEFAULT_OUT
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    shm_before = hygiene.shm_entries()
+    now = dt.datetime.now()
+    t0 = time.perf_counter()
+    r = Results()
+    for name, fn in FAMILIES:
+        print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+        try:
+            fn(s, r)
+        except Exception as exc:  # report it and go on: the other families still count
+            traceback.print_exc()
+            r.notes.append(f"{name} failed: {exc!r}")
+    problems = hygiene.check(shm_before)
+    wall = time.perf_counter() - t0
+
+    rows = collect_rows(r, s)
+    print(report.text_table(rows))
+    for line in r.notes + problems:
+        print(f"PROBLEM: {line}")
+
+    from benchmarks import plots  # matplotlib only once there is something to draw
+
+    stem = f"{now:%Y-%m-%d}-{machine.host()}" + ("-quick" if s.quick else "")
+    pngs = plots.write_all(r, s, out_dir, stem)
+    when = f"{now:%Y-%m-%d %H:%M}"
+    md = out_dir / f"{stem}.md"
+    md.write_text(markdown(rows, r, s, stem=stem, when=when, plots=pngs, wall_s=wall,
+                           problems=problems))
+    print(f"\nwrote {md} and {len(pngs)} plots in {wall:.0f} s", file=sys.stderr)
+    if args.out is None and not s.quick:
+        DOCS_PLOT.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(pngs[0], DOCS_PLOT)
+        plot_ref = DOCS_PLOT.relative_to(HERE.parent).as_posix()
+        README_SNIPPET.write_text(readme_snippet(rows, when=when, plot=plot_ref))
+        print(f"wrote {README_SNIPPET} and {DOCS_PLOT}", file=sys.stderr)
+    return 1 if (r.notes or problems) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
