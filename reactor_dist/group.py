@@ -161,7 +161,7 @@ class RankGroup:
     # -- the wire ---------------------------------------------------------------------------
     def publish(self, header: dict[str, Any], body: list | tuple = ()) -> None:
         header["r"] = -1  # commands are for every rank
-        self.pub.send_multipart(wire.pack(self.secret, header, body), copy=False)
+        self.pub.send_multipart(wire.pack(self.secret, header, body))
 
     def collect(self, kind: str, seq: int, timeout: float | None, what: str,
                 tick=None, first_error: bool = False,

@@ -146,7 +146,7 @@ class RankServer:
 
     def send(self, header: dict[str, Any], body: list | tuple = ()) -> None:
         header["r"] = self.rank
-        self.push.send_multipart(wire.pack(self.secret, header, body), copy=False)
+        self.push.send_multipart(wire.pack(self.secret, header, body))
 
     def on_runner_death(self) -> None:
         shm.remove_prefix(self.shm_dir, self.boot["shm_prefix"])
