@@ -28,6 +28,7 @@ import contextlib
 import os
 import pickle
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -73,6 +74,7 @@ class RankGroup:
         self.shm_dir = shm_dir
         self.shm_prefix = shm.new_runner_prefix()
         self.shutdown_grace = shutdown_grace
+        self.owner_pid = os.getpid()  # a forked child must never tear down our ranks
         self.seq = 0
         self.ranks: list[RankProcess] = []
         self.inputs = shm.SlotPool(shm_dir, self.shm_prefix, "in", keep_free=keep_free)
@@ -276,12 +278,19 @@ class RankGroup:
 
     def timed_out(self, silent: list[int], timeout: float | None, what: str,
                   replies: dict[int, tuple[dict, list]]) -> WorkerTimeout:
-        import signal
 
+        seen = {r: self.ranks[r].lines_seen for r in silent}
         for r in silent:  # faulthandler in the rank prints every thread's stack
             with contextlib.suppress(OSError):
                 os.kill(self.ranks[r].launcher_pid, signal.SIGUSR1)
-        time.sleep(STACK_DUMP_WAIT)
+        # Wait for the dumps: until each silent rank printed and then fell quiet.
+        deadline = time.monotonic() + STACK_DUMP_WAIT
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+            procs = [self.ranks[r] for r in silent]
+            if all(p.lines_seen > seen[p.rank] and time.monotonic() - p.last_output > 0.03
+                   for p in procs):
+                break
         raised = [f"rank {r} raised {h['e']['type']}" for r, (h, _) in sorted(replies.items())
                   if h.get("st") == wire.RAISED and isinstance(h.get("e"), dict)]
         note = f" ({'; '.join(raised)}: the silent ranks may wait for it in a collective)" \
@@ -299,6 +308,8 @@ class RankGroup:
     # -- end --------------------------------------------------------------------------------
     def close(self, graceful: bool) -> None:
         """End every process and remove every file; safe to call in any state, twice."""
+        if os.getpid() != self.owner_pid:
+            return
         if graceful and self.ranks and not self.any_dead():
             with contextlib.suppress(zmq.ZMQError):
                 self.publish({"k": wire.SHUTDOWN, "s": self.seq + 1})

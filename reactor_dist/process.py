@@ -51,6 +51,8 @@ class RankProcess:
         except (AttributeError, OSError):
             self.pidfd = None
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.lines_seen = 0
+        self.last_output = 0.0  # monotonic time of the latest line
         self._partial = b""
         self._reading = False
         self._out_fd = self.popen.stdout.fileno()
@@ -86,6 +88,8 @@ class RankProcess:
     def _emit(self, raw: bytes) -> None:
         line = raw.decode("utf-8", "replace").rstrip("\r")
         self.tail.append(line)
+        self.lines_seen += 1
+        self.last_output = time.monotonic()
         try:
             sys.stderr.write(f"[rank {self.rank}] {line}\n")
             sys.stderr.flush()
