@@ -183,8 +183,9 @@ class RankGroup:
             if watch_by_timer:
                 wait = 0.05 if wait is None else min(wait, 0.05)
             events = dict(self.poller.poll(None if wait is None else int(wait * 1000) + 1))
-            dead = sorted({self.death_fds[fd] for fd in events if fd in self.death_fds}
-                          | {r.rank for r in self.ranks if not r.alive()})
+            dead = sorted({self.death_fds[fd] for fd in events if fd in self.death_fds})
+            if watch_by_timer:
+                dead = sorted(set(dead) | set(self.any_dead()))
             if dead:
                 raise self.crashed(dead, what)
             if self.pull in events:
