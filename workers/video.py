@@ -1,0 +1,275 @@
+"""A sequence-parallel video generator: each rank renders its slice of a chunk's frames.
+
+The model is small but it is a real sequence-parallel computation, laid out the way
+autoregressive video models split work across GPUs:
+
+* a latent video (travelling waves plus smooth value noise, seeded from the prompt and
+  the rollout) is built frame by frame -- each rank builds only its own frames;
+* a causal temporal attention layer mixes every frame with the frames before it: each
+  rank computes keys/values for its frames and ``all_gather`` hands every rank the
+  whole chunk's keys/values (the cross-rank dependence), plus the previous chunk's last
+  frames kept as context so that chunks continue each other;
+* a small conv decoder upsamples the latents and maps them through a colour palette;
+* the uint8 frames are gathered onto rank 0, straight into a shared-memory buffer from
+  ``shared_empty`` so that returning them to the caller costs no copy.
+
+Everything runs in float64 and every per-frame quantity depends only on the frame's
+global index, never on how frames are split: the uint8 frames at world_size 2 or 4 are
+the same as at world_size 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from reactor_dist import DistributedWorker
+from workers._video_style import Style, noise_keyframe, stable_seed, style_for
+
+Allocator = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+
+
+class RolloutExhausted(RuntimeError):
+    """Every rank raises this once a rollout has produced its last chunk.
+
+    It is the model's recoverable error: the application calls ``reset()`` and goes on.
+    """
+
+
+@dataclass(frozen=True)
+class VideoInput:
+    """One step's request: the prompt, and an optional seed for the rollout's noise."""
+
+    prompt: str
+    seed: int | None = None
+
+
+@dataclass
+class VideoResult:
+    """One chunk of video; ``frames`` is a contiguous uint8 ``(T, H, W, 3)`` array."""
+
+    frames: np.ndarray
+    chunk_index: int
+    first_frame: int
+    prompt: str
+
+
+@dataclass
+class _Rollout:
+    """Per-session state, replicated identically on every rank."""
+
+    chunk: int = 0
+    seed: int | None = None
+    style: Style | None = None
+    phase: np.ndarray | None = None  # accumulated wave phase, (C, K)
+    context_kv: torch.Tensor | None = None  # last frames' keys and values, (2, Tc, D, h, w)
+
+
+class ParallelVideoModel:
+    """The model proper; knows its rank but nothing about the runner."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        device: str = "cpu",
+        alloc: Allocator = np.empty,
+        frames_per_chunk: int = 16,
+        height: int = 128,
+        width: int = 224,
+        chunks_per_rollout: int = 4,
+        context_frames: int = 4,
+        latent_channels: int = 8,
+        hidden: int = 16,
+        weights_seed: int = 0,
+        transition: float = 0.12,
+    ) -> None:
+        if frames_per_chunk % world_size:
+            raise ValueError(
+                f"world_size {world_size} does not divide frames_per_chunk={frames_per_chunk}:"
+                " each rank renders an equal slice of the chunk's frames"
+                f" (use a world_size among {_divisors(frames_per_chunk)})"
+            )
+        if height % 8 or width % 8:
+            raise ValueError(f"height and width must be multiples of 8, got {height}x{width}")
+        if chunks_per_rollout < 1:
+            raise ValueError(f"chunks_per_rollout must be >= 1, got {chunks_per_rollout}")
+        self.rank, self.world_size, self.device, self.alloc = rank, world_size, device, alloc
+        self.T, self.H, self.W = frames_per_chunk, height, width
+        self.local_T = frames_per_chunk // world_size
+        self.chunks_per_rollout = chunks_per_rollout
+        self.context_frames = context_frames
+        self.C = latent_channels
+        self.transition = transition
+        self.weights = self._init_weights(weights_seed, latent_channels, hidden)
+        self.state = _Rollout()
+
+    # -- weights -------------------------------------------------------------------
+    def _init_weights(self, seed: int, c: int, hidden: int) -> dict[str, torch.Tensor]:
+        """Same seed, same weights on every rank: the decoder is replicated, not split."""
+        rng = np.random.default_rng(seed)
+
+        def w(*shape: int, gain: float = 1.0) -> torch.Tensor:
+            fan_in = int(np.prod(shape[1:]))
+            arr = rng.standard_normal(shape) * gain / np.sqrt(fan_in)
+            return torch.from_numpy(arr).to(self.device)
+
+        d = c  # attention width
+        return {
+            "wq": w(d, c), "wk": w(d, c), "wv": w(d, c), "wo": w(c, d, gain=0.7),
+            "conv1": w(hidden, c, 3, 3, gain=1.5), "conv2": w(hidden, hidden, 3, 3, gain=1.4),
+            "head": w(2, hidden, gain=1.0),
+        }
+
+    # -- the step ------------------------------------------------------------------
+    def reset(self) -> None:
+        """Start a new rollout; the weights stay loaded."""
+        self.state = _Rollout()
+
+    def generate(self, inp: VideoInput) -> VideoResult | None:
+        """Render the rollout's next chunk; rank 0 returns it, other ranks return None."""
+        st = self.state
+        if st.chunk >= self.chunks_per_rollout:
+            # Decided from replicated state, so every rank raises, before any collective.
+            raise RolloutExhausted(
+                f"rollout ended after {self.chunks_per_rollout} chunks; call reset()"
+            )
+        if st.seed is None:
+            st.seed = inp.seed if inp.seed is not None else stable_seed("rollout", inp.prompt)
+        target = style_for(inp.prompt, inp.seed, self.C)
+        styles, phases = self._style_trajectory(target)
+        lo = self.rank * self.local_T
+        t0 = st.chunk * self.T
+        local = range(lo, lo + self.local_T)
+        z = torch.stack([self._latent(t0 + i, styles[i], phases[i]) for i in local])
+        z, kv = self._temporal_attention(z, lo)
+        rgb = self._decode(z, [styles[i] for i in local])
+        frames = self._gather(rgb)
+        st.context_kv = kv[:, -self.context_frames :] if self.context_frames else None
+        st.style, st.phase = styles[-1], phases[-1]
+        st.chunk += 1
+        if frames is None:
+            return None
+        return VideoResult(frames, chunk_index=st.chunk - 1, first_frame=t0, prompt=inp.prompt)
+
+    def _style_trajectory(self, target: Style) -> tuple[list[Style], list[np.ndarray]]:
+        """Every frame's style and wave phase for the whole chunk, computed on every rank.
+
+        A new prompt does not cut: the style eases toward it frame by frame, and the phase
+        integrates each frame's speed, so motion stays continuous across chunks.
+        """
+        st = self.state
+        style = st.style if st.style is not None else target
+        phase = st.phase if st.phase is not None else target.phase0.copy()
+        styles, phases = [], []
+        for _ in range(self.T):
+            style = style.lerp(target, self.transition)
+            phase = phase + style.omega
+            styles.append(style)
+            phases.append(phase)
+        return styles, phases
+
+    def _latent(self, t: int, style: Style, phase: np.ndarray) -> torch.Tensor:
+        """Frame ``t``'s latent, (C, h, w): travelling waves plus smooth value noise."""
+        h, w = self.H // 8, self.W // 8
+        y = np.linspace(0.0, 1.0, h)[:, None, None, None]
+        x = np.linspace(0.0, w / h, w)[None, :, None, None]
+        arg = 2 * np.pi * (style.kx * x + style.ky * y) + phase  # (h, w, C, K)
+        waves = (style.amp * np.sin(arg)).sum(-1).transpose(2, 0, 1)
+        period = 12
+        n, u = divmod(t, period)
+        u = u / period
+        u = u * u * (3 - 2 * u)  # smoothstep: no kinks at keyframes
+        key = (1 - u) * noise_keyframe(self.state.seed, n, self.C) + u * noise_keyframe(
+            self.state.seed, n + 1, self.C
+        )
+        noise = F.interpolate(
+            torch.from_numpy(key)[None], size=(h, w), mode="bicubic", align_corners=True
+        )[0].numpy()
+        return torch.from_numpy(waves + 0.6 * noise).to(self.device)
+
+    def _temporal_attention(self, z: torch.Tensor, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal attention over time, per latent pixel; keys/values come from all ranks."""
+        wt = self.weights
+        q = torch.einsum("dc,tchw->tdhw", wt["wq"], z)
+        kv_local = torch.stack(
+            [torch.einsum("dc,tchw->tdhw", wt["wk"], z), torch.einsum("dc,tchw->tdhw", wt["wv"], z)]
+        )
+        if self.world_size > 1:
+            parts = [torch.empty_like(kv_local) for _ in range(self.world_size)]
+            dist.all_gather(parts, kv_local.contiguous())
+            kv = torch.cat(parts, dim=1)  # (2, T, D, h, w), frames in global order
+        else:
+            kv = kv_local
+        ctx = self.state.context_kv
+        keys = torch.cat([ctx, kv], dim=1) if ctx is not None else kv
+        n_ctx = 0 if ctx is None else ctx.shape[1]
+        scores = torch.einsum("qdhw,kdhw->hwqk", q, keys[0]) / np.sqrt(q.shape[1])
+        qi = torch.arange(lo, lo + q.shape[0], device=z.device)[:, None] + n_ctx
+        ki = torch.arange(keys.shape[1], device=z.device)[None, :]
+        scores = scores.masked_fill(ki > qi, float("-inf"))
+        out = torch.einsum("hwqk,kdhw->qdhw", scores.softmax(-1), keys[1])
+        return z + torch.einsum("cd,tdhw->tchw", wt["wo"], out), kv
+
+    def _decode(self, z: torch.Tensor, styles: list[Style]) -> torch.Tensor:
+        """Conv decoder to full size, then a per-frame colour palette: (t, H, W, 3) uint8."""
+        wt = self.weights
+        x = F.gelu(F.conv2d(z, wt["conv1"], padding=1))
+        x = F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
+        x = F.gelu(F.conv2d(F.pad(x, (1, 1, 1, 1), mode="replicate"), wt["conv2"]))
+        x = torch.einsum("oc,tchw->tohw", wt["head"], x)
+        x = F.interpolate(x, size=(self.H, self.W), mode="bicubic", align_corners=False)
+        pal = torch.from_numpy(np.stack([s.palette for s in styles])).to(z.device)  # (t,4,3)
+        a, b, c, d = (pal[:, i, None, None, :] for i in range(4))
+        tone = x[:, 0, :, :, None]
+        light = 0.8 + 0.2 * torch.tanh(x[:, 1, :, :, None])
+        rgb = (a + b * torch.cos(2 * np.pi * (c * tone + d))) * light
+        return (rgb.clamp(0, 1) * 255).round().to(torch.uint8)
+
+    def _gather(self, rgb: torch.Tensor) -> np.ndarray | None:
+        """Gather every rank's frames onto rank 0 into one contiguous uint8 array."""
+        if self.rank == 0:
+            out = self.alloc((self.T, self.H, self.W, 3), np.dtype(np.uint8))
+        if self.world_size == 1:
+            out[:] = rgb.cpu().numpy()
+            return out
+        on_cpu = rgb.device.type == "cpu"
+        if self.rank != 0:
+            dist.gather(rgb.contiguous(), None, dst=0)
+            return None
+        if on_cpu:  # gather straight into the shared-memory result: no extra copy
+            views = [torch.from_numpy(out[r * self.local_T : (r + 1) * self.local_T])
+                     for r in range(self.world_size)]
+            dist.gather(rgb.contiguous(), views, dst=0)
+        else:
+            parts = [torch.empty_like(rgb) for _ in range(self.world_size)]
+            dist.gather(rgb.contiguous(), parts, dst=0)
+            out[:] = torch.cat(parts).cpu().numpy()
+        return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class VideoWorker(DistributedWorker):
+    """Adapter between the runner and :class:`ParallelVideoModel` (one per rank)."""
+
+    def load(self, **model_kwargs: object) -> None:
+        alloc = getattr(self, "shared_empty", None) or np.empty
+        self.model = ParallelVideoModel(
+            rank=self.rank, world_size=self.world_size, device=self.device, alloc=alloc,
+            **model_kwargs,
+        )
+
+    def generate(self, input: VideoInput, /) -> VideoResult | None:
+        return self.model.generate(input)
+
+    def reset(self) -> None:
+        self.model.reset()
