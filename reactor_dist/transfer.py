@@ -20,6 +20,7 @@ tensors (as their raw bytes) out of band too, instead of a large in-band pickle.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import sys
 from collections.abc import Callable, Iterable
@@ -29,7 +30,9 @@ import numpy as np
 
 from .shm import SlotPool, align
 
-INLINE_LIMIT = 64 * 1024  # measured: below this a segment costs more than a frame copy
+# Measured (benchmarks/inline_threshold.py): below ~64 KiB a ZeroMQ frame copy is cheaper
+# than a segment round trip; above it the segment wins. Overridable for that measurement.
+INLINE_LIMIT = int(os.environ.get("REACTOR_DIST_INLINE_LIMIT", 64 * 1024))
 INLINE, SEGMENT = 0, 1
 
 
