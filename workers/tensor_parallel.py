@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from reactor_dist import DistributedWorker
+from workers._cpu import share_cpu_cores
 
 Weights = dict[str, torch.Tensor]
 
@@ -145,6 +146,7 @@ class TensorParallelWorker(DistributedWorker):
         self, dim: int = 64, heads: int = 4, ffn: int = 256, seed: int = 0,
         weights_path: str | None = None,
     ) -> None:
+        share_cpu_cores(self.world_size, self.device)
         if weights_path is not None:
             weights, heads = _read_weights(weights_path)
         else:

@@ -5,10 +5,10 @@ autoregressive video models split work across GPUs:
 
 * a latent video (travelling waves plus smooth value noise, seeded from the prompt and
   the rollout) is built frame by frame -- each rank builds only its own frames;
-* a causal temporal attention layer mixes every frame with the frames before it: each
-  rank computes keys/values for its frames and ``all_gather`` hands every rank the
-  whole chunk's keys/values (the cross-rank dependence), plus the previous chunk's last
-  frames kept as context so that chunks continue each other;
+* a causal sliding-window temporal attention layer mixes every frame with the frames
+  just before it: each rank computes keys/values for its own frames and ``all_gather``
+  hands every rank the whole chunk's (the cross-rank dependence); the previous chunk's
+  last frames are kept as context, so chunks continue each other without a seam;
 * a small conv decoder upsamples the latents and maps them through a colour palette;
 * the uint8 frames are gathered onto rank 0, straight into a shared-memory buffer from
   ``shared_empty`` so that returning them to the caller costs no copy.
@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from reactor_dist import DistributedWorker
+from workers._cpu import share_cpu_cores
 from workers._video_style import Style, noise_keyframe, stable_seed, style_for
 
 Allocator = Callable[[tuple[int, ...], np.dtype], np.ndarray]
@@ -67,7 +68,7 @@ class _Rollout:
     seed: int | None = None
     style: Style | None = None
     phase: np.ndarray | None = None  # accumulated wave phase, (C, K)
-    context_kv: torch.Tensor | None = None  # last frames' keys and values, (2, Tc, D, h, w)
+    context_kv: torch.Tensor | None = None  # last window-1 frames' keys/values (2,W-1,D,h,w)
 
 
 class ParallelVideoModel:
@@ -84,11 +85,11 @@ class ParallelVideoModel:
         height: int = 128,
         width: int = 224,
         chunks_per_rollout: int = 4,
-        context_frames: int = 4,
+        window: int = 8,
         latent_channels: int = 8,
         hidden: int = 16,
         weights_seed: int = 0,
-        transition: float = 0.12,
+        transition: float = 0.08,
     ) -> None:
         if frames_per_chunk % world_size:
             raise ValueError(
@@ -98,13 +99,15 @@ class ParallelVideoModel:
             )
         if height % 8 or width % 8:
             raise ValueError(f"height and width must be multiples of 8, got {height}x{width}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
         if chunks_per_rollout < 1:
             raise ValueError(f"chunks_per_rollout must be >= 1, got {chunks_per_rollout}")
         self.rank, self.world_size, self.device, self.alloc = rank, world_size, device, alloc
         self.T, self.H, self.W = frames_per_chunk, height, width
         self.local_T = frames_per_chunk // world_size
         self.chunks_per_rollout = chunks_per_rollout
-        self.context_frames = context_frames
+        self.window = window
         self.C = latent_channels
         self.transition = transition
         self.weights = self._init_weights(weights_seed, latent_channels, hidden)
@@ -151,7 +154,7 @@ class ParallelVideoModel:
         z, kv = self._temporal_attention(z, lo)
         rgb = self._decode(z, [styles[i] for i in local])
         frames = self._gather(rgb)
-        st.context_kv = kv[:, -self.context_frames :] if self.context_frames else None
+        st.context_kv = kv[:, kv.shape[1] - (self.window - 1) :] if self.window > 1 else None
         st.style, st.phase = styles[-1], phases[-1]
         st.chunk += 1
         if frames is None:
@@ -195,7 +198,13 @@ class ParallelVideoModel:
         return torch.from_numpy(waves + 0.6 * noise).to(self.device)
 
     def _temporal_attention(self, z: torch.Tensor, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Causal attention over time, per latent pixel; keys/values come from all ranks."""
+        """Sliding-window causal attention over time, per latent pixel.
+
+        Frame t attends to frames t-window+1 .. t. Keys/values come from every rank (the
+        frames before a rank's first frame live on the rank before it), and the previous
+        chunk's last frames are kept as context, so a chunk's first frame is computed
+        exactly like any other: no seam between chunks.
+        """
         wt = self.weights
         q = torch.einsum("dc,tchw->tdhw", wt["wq"], z)
         kv_local = torch.stack(
@@ -213,7 +222,7 @@ class ParallelVideoModel:
         scores = torch.einsum("qdhw,kdhw->hwqk", q, keys[0]) / np.sqrt(q.shape[1])
         qi = torch.arange(lo, lo + q.shape[0], device=z.device)[:, None] + n_ctx
         ki = torch.arange(keys.shape[1], device=z.device)[None, :]
-        scores = scores.masked_fill(ki > qi, float("-inf"))
+        scores = scores.masked_fill((ki > qi) | (ki <= qi - self.window), float("-inf"))
         out = torch.einsum("hwqk,kdhw->qdhw", scores.softmax(-1), keys[1])
         return z + torch.einsum("cd,tdhw->tchw", wt["wo"], out), kv
 
@@ -262,6 +271,7 @@ class VideoWorker(DistributedWorker):
     """Adapter between the runner and :class:`ParallelVideoModel` (one per rank)."""
 
     def load(self, **model_kwargs: object) -> None:
+        share_cpu_cores(self.world_size, self.device)
         alloc = getattr(self, "shared_empty", None) or np.empty
         self.model = ParallelVideoModel(
             rank=self.rank, world_size=self.world_size, device=self.device, alloc=alloc,
