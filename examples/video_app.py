@@ -1,0 +1,168 @@
+"""The product document's video app, with the hosting platform replaced by a small loop.
+
+In Reactor, ``VideoApp`` is a ``ReactorApp``: the platform calls ``process_input``,
+``generate`` and ``process_output`` once per step, runs commands (``reset``) and hooks
+(session end) between steps, and streams ``VideoOutput`` to the client. Here
+:meth:`VideoApp.step` plays the platform's part for one step and a :class:`Track`
+stands in for the client's video track, so the same flow runs from a terminal or a test.
+Everything else -- what goes to the runner, the ``RolloutExhausted`` -> ``reset()``
+recovery, pausing, "any other error: shut down and re-raise", and the session-end
+choice between reset and shutdown -- is the document's code.
+
+Run it: ``python examples/video_app.py --world-size 2 --steps 6``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from reactor_dist import DistributedRunner
+from workers.video import RolloutExhausted, VideoInput, VideoResult, VideoWorker
+
+
+class ApplicationError(Exception):
+    """Raised by ``process_input`` to skip a step without an error (here: paused)."""
+
+
+@dataclass
+class VideoState:
+    """What the client controls between steps."""
+
+    prompt: str = "A walk through a forest."
+    paused: bool = False
+
+
+@dataclass
+class StepOutcome:
+    """One step's result or the exception its ``generate`` raised."""
+
+    result: VideoResult | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class VideoOutput:
+    main_video: np.ndarray  # (T, H, W, 3) uint8
+
+
+@dataclass
+class Track:
+    """Stand-in for the client's video track: frames pushed, not yet sent, can be dropped."""
+
+    pending: list[np.ndarray] = field(default_factory=list)
+
+    def push(self, frames: np.ndarray) -> None:
+        self.pending.append(frames)
+
+    def take(self) -> list[np.ndarray]:
+        """What the client receives: everything pushed since the last take."""
+        out, self.pending = self.pending, []
+        return out
+
+    def flush(self) -> None:
+        """Drop frames of the old rollout that the client has not received yet."""
+        self.pending.clear()
+
+
+class VideoApp:
+    """The document's ``VideoApp``; only ``step()`` is ours (the platform's role)."""
+
+    def __init__(
+        self, *, world_size: int = 2, device: str = "auto",
+        load_kwargs: dict[str, Any] | None = None, call_timeout: float = 30.0,
+    ) -> None:
+        self.world_size, self.device = world_size, device
+        self.load_kwargs = load_kwargs or {}
+        self.call_timeout = call_timeout
+        self.state = VideoState()
+        self.output = Track()
+        self.last_outcome: StepOutcome | None = None
+
+    def load(self, config_path: str | None = None) -> None:
+        """The one change from an in-process model: start a runner instead of a model."""
+        self.runner = DistributedRunner(
+            VideoWorker, world_size=self.world_size, load_kwargs=self.load_kwargs,
+            call_timeout=self.call_timeout, device=self.device,
+        )
+        self.runner.start()
+
+    def process_input(self) -> VideoInput:
+        if self.state.paused:
+            raise ApplicationError("paused")
+        return VideoInput(prompt=self.state.prompt)
+
+    def generate(self, input: VideoInput) -> VideoResult:
+        return self.runner.generate(input)
+
+    def process_output(self, outcome: StepOutcome) -> VideoOutput | None:
+        if isinstance(outcome.error, RolloutExhausted):
+            self.reset()  # the model's recoverable error: new rollout, weights kept
+            return None
+        if outcome.error is not None:
+            self.runner.shutdown()  # crash, timeout, desync or a model bug: end the session
+            raise outcome.error
+        assert outcome.result is not None
+        self.output.push(outcome.result.frames)
+        return VideoOutput(main_video=outcome.result.frames)
+
+    def reset(self) -> None:
+        """The "reset" command: start a new rollout."""
+        self.runner.reset()
+        self.output.flush()
+
+    def on_session_ended(self) -> None:
+        """Keep a healthy runner (weights loaded) for the next session; else release it."""
+        if self.runner.healthy:
+            self.reset()
+        else:
+            self.runner.shutdown()
+
+    # -- the platform's part ---------------------------------------------------------
+    def step(self) -> VideoOutput | None:
+        """One platform step: input, generate, output. None when skipped or recovered."""
+        try:
+            inp = self.process_input()
+        except ApplicationError:
+            self.last_outcome = None
+            return None
+        try:
+            outcome = StepOutcome(result=self.generate(inp))
+        except Exception as exc:  # the platform hands every step error to process_output
+            outcome = StepOutcome(error=exc)
+        self.last_outcome = outcome
+        return self.process_output(outcome)
+
+    def close(self) -> None:
+        """Process exit: stop the workers (the runner also does this at interpreter exit)."""
+        self.runner.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    app = VideoApp(world_size=args.world_size, device=args.device,
+                   load_kwargs={"chunks_per_rollout": 3})
+    app.load()
+    try:
+        for i in range(args.steps):
+            t = time.perf_counter()
+            out = app.step()
+            ms = (time.perf_counter() - t) * 1e3
+            what = (f"{out.main_video.shape[0]} frames" if out is not None
+                    else "rollout exhausted -> reset")
+            print(f"step {i}: {what} in {ms:.0f} ms")
+        app.on_session_ended()
+    finally:
+        app.close()
+
+
+if __name__ == "__main__":
+    main()
