@@ -3,52 +3,62 @@ and sent then echoed back by rank 0 — the full trip of a video-to-video step."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from benchmarks.config import Settings
-from benchmarks.frames import TARGET_PAYLOAD
+from benchmarks.frames import TARGET_PAYLOAD, iters_for
 from benchmarks.pools import IMPLEMENTATIONS, OURS, Pool
 from benchmarks.results import FLOOR, Results, Row
-from benchmarks.stats import time_calls
 
-SINK_WORLD_SIZES = (2, 4)
 ECHO_WORLD_SIZE = 2
 ECHO_TARGET = 3.0  # × the copy floor
 INPUT_FILL = 3
 
 
-def measure_sink(pool: Pool, world_size: int, results: Results, s: Settings) -> None:
-    iters, warmup = ((s.transfer_iters, s.transfer_warmup) if pool.name == OURS
-                     else (s.baseline_transfer_iters, s.baseline_transfer_warmup))
-    for p, n in zip(s.payloads, iters, strict=True):
-        x = np.full(p.shape, INPUT_FILL, np.uint8)
-        if pool.generate(x) is not None:
-            raise RuntimeError(f"{pool.name}: a broadcast step returned something")
-        stats = time_calls(lambda x=x: pool.generate(x), n=n, warmup=warmup)
-        results.put("input", f"{p.label} ws{world_size}", pool.name, stats)
+def _echo_ok(back: object, x: np.ndarray) -> bool:
+    return (isinstance(back, np.ndarray) and back.shape == x.shape
+            and back.flat[0] == INPUT_FILL and back.flat[-1] == INPUT_FILL)
 
 
-def measure_echo(pool: Pool, results: Results, s: Settings) -> None:
-    iters, warmup = ((s.transfer_iters, s.transfer_warmup) if pool.name == OURS
-                     else (s.baseline_transfer_iters, s.baseline_transfer_warmup))
-    for p, n in zip(s.payloads, iters, strict=True):
-        x = np.full(p.shape, INPUT_FILL, np.uint8)
-        back = pool.generate(("echo", x))
-        if not (isinstance(back, np.ndarray) and back.shape == x.shape
-                and back.flat[0] == INPUT_FILL and back.flat[-1] == INPUT_FILL):
-            raise RuntimeError(f"{pool.name}: echo of {p.label} came back wrong")
-        del back
-        stats = time_calls(lambda x=x: pool.generate(("echo", x)), n=n,
-                           warmup=warmup)
-        results.put("echo", p.label, pool.name, stats)
+def _measure(pools: dict[str, Pool], metric: str, config: str, i: int, make_input,
+             results: Results, s: Settings) -> None:
+    fns: dict[str, Callable[[], object]] = {}
+    for name, pool in pools.items():
+        inp, check = make_input()
+        try:
+            if not check(pool.generate(inp)):
+                raise RuntimeError("wrong answer")
+        except Exception as exc:
+            results.notes.append(f"{name}: {metric} {config} failed: {exc!r}")
+            continue
+        fns[name] = lambda pl=pool, inp=inp: pl.generate(inp)
+    n = {k: iters_for(k, i, s)[0] for k in fns}
+    warm = {k: iters_for(k, i, s)[1] for k in fns}
+    results.measure(metric, config, fns, n, warm, s.transfer_rounds)
+
+
+def measure_sink(pools: dict[str, Pool], world_size: int, results: Results,
+                 s: Settings) -> None:
+    for i, p in enumerate(s.payloads):
+        def make(shape=p.shape):
+            return np.full(shape, INPUT_FILL, np.uint8), lambda out: out is None
+        _measure(pools, "input", f"{p.label} ws{world_size}", i, make, results, s)
+
+
+def measure_echo(pools: dict[str, Pool], results: Results, s: Settings) -> None:
+    for i, p in enumerate(s.payloads):
+        def make(shape=p.shape):
+            x = np.full(shape, INPUT_FILL, np.uint8)
+            return ("echo", x), lambda out, x=x: _echo_ok(out, x)
+        _measure(pools, "echo", p.label, i, make, results, s)
 
 
 def rows(results: Results, s: Settings) -> list[Row]:
     baselines = [i for i in IMPLEMENTATIONS if i != OURS]
     out = []
-    for ws in SINK_WORLD_SIZES:
-        if ws not in s.world_sizes:
-            continue
+    for ws in s.sink_world_sizes:
         for p in s.payloads:
             cfg = f"{p.label} ws{ws}"
             out.append(Row(
@@ -56,8 +66,8 @@ def rows(results: Results, s: Settings) -> list[Row]:
                 case=f"{p.label} input to world_size {ws}",
                 unit="ms",
                 ours=results.get("input", cfg, OURS),
-                floor=results.get("copy", p.label, FLOOR),
-                floor_label="warm np.copyto",
+                floor=results.get("result", p.label, FLOOR),
+                floor_label="warm np.copyto of the same bytes",
                 baselines={i: results.get("input", cfg, i) for i in baselines},
             ))
     for p in s.payloads:
@@ -66,8 +76,8 @@ def rows(results: Results, s: Settings) -> list[Row]:
             case=f"{p.label} input + echo, world_size {ECHO_WORLD_SIZE}",
             unit="ms",
             ours=results.get("echo", p.label, OURS),
-            floor=results.get("copy", p.label, FLOOR),
-            floor_label="warm np.copyto",
+            floor=results.get("result", p.label, FLOOR),
+            floor_label="warm np.copyto of the same bytes",
             baselines={i: results.get("echo", p.label, i) for i in baselines},
         )
         if p.label == TARGET_PAYLOAD:

@@ -4,22 +4,23 @@ plain array and via ``shared_empty``, against one warm ``np.copyto`` of the same
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from benchmarks import floors
 from benchmarks.config import Payload, Settings
 from benchmarks.pools import IMPLEMENTATIONS, OURS, Pool
 from benchmarks.results import FLOOR, Results, Row
-from benchmarks.stats import time_calls
 from benchmarks.workload import PLAIN_FILL
 
 WORLD_SIZE = 2
 PLAIN_TARGET = 1.5  # × the copy floor
 SHARED_TARGET_S = 1e-3  # above the empty call
-COPY = "copy"
 # The ratio targets are set on the video step; at 1 MB the copy takes microseconds and
 # the per-call overhead dominates, so those rows are shown without a target.
 TARGET_PAYLOAD = "97 MB"
+SHARED = f"{OURS} shared_empty"
 
 
 def _check(out: object, p: Payload, who: str) -> None:
@@ -29,36 +30,45 @@ def _check(out: object, p: Payload, who: str) -> None:
         raise RuntimeError(f"{who}: wrong {p.label} result: {type(out).__name__}")
 
 
-def measure_floor(results: Results, s: Settings) -> None:
-    for p in s.payloads:
-        results.put(COPY, p.label, FLOOR, floors.warm_copy(p.nbytes, n=s.copy_iters))
+def iters_for(impl: str, i: int, s: Settings) -> tuple[int, int]:
+    """(trials, warm-up calls) of payload ``i`` for ``impl``: the baselines are slow."""
+    if impl.startswith(OURS) or impl == FLOOR:
+        return s.transfer_iters[i], s.transfer_warmup
+    return s.baseline_transfer_iters[i], s.baseline_transfer_warmup
 
 
-def measure(pool: Pool, results: Results, s: Settings) -> None:
-    iters, warmup = ((s.transfer_iters, s.transfer_warmup) if pool.name == OURS
-                     else (s.baseline_transfer_iters, s.baseline_transfer_warmup))
-    modes = ("plain", "shared") if pool.supports_shared else ("plain",)
-    for p, n in zip(s.payloads, iters, strict=True):
-        for mode in modes:
-            _check(pool.generate((mode, p.shape)), p, f"{pool.name} {mode}")
-            stats = time_calls(lambda m=mode, sh=p.shape: pool.generate((m, sh)),
-                               n=n, warmup=warmup)
-            results.put(f"result-{mode}", p.label, pool.name, stats)
+def measure(pools: dict[str, Pool], results: Results, s: Settings) -> None:
+    """Each payload: every implementation's plain result, ours via ``shared_empty``, and
+    the copy floor, timed interleaved."""
+    for i, p in enumerate(s.payloads):
+        fns: dict[str, Callable[[], object]] = {FLOOR: floors.WarmCopy(p.nbytes)}
+        for name, pool in pools.items():
+            for mode in ("plain", "shared") if pool.supports_shared else ("plain",):
+                key = name if mode == "plain" else SHARED
+                try:
+                    _check(pool.generate((mode, p.shape)), p, key)
+                except Exception as exc:
+                    results.notes.append(f"{key}: {p.label} result failed: {exc!r}")
+                    continue
+                fns[key] = lambda pl=pool, m=mode, sh=p.shape: pl.generate((m, sh))
+        n = {k: iters_for(k, i, s)[0] for k in fns}
+        warm = {k: iters_for(k, i, s)[1] for k in fns}
+        results.measure("result", p.label, fns, n, warm, s.transfer_rounds)
 
 
 def rows(results: Results, s: Settings) -> list[Row]:
     out = []
     empty = results.get("call", f"ws{WORLD_SIZE}", OURS)
     for p in s.payloads:
-        floor = results.get(COPY, p.label, FLOOR)
+        floor = results.get("result", p.label, FLOOR)
         plain = Row(
             section="Frames back (world_size 2)",
             case=f"{p.label} result, plain array",
             unit="ms",
-            ours=results.get("result-plain", p.label, OURS),
+            ours=results.get("result", p.label, OURS),
             floor=floor,
-            floor_label="warm np.copyto",
-            baselines={i: results.get("result-plain", p.label, i)
+            floor_label="warm np.copyto of the same bytes",
+            baselines={i: results.get("result", p.label, i)
                        for i in IMPLEMENTATIONS if i != OURS},
         )
         if p.label == TARGET_PAYLOAD:
@@ -69,11 +79,11 @@ def rows(results: Results, s: Settings) -> list[Row]:
             section="Frames back (world_size 2)",
             case=f"{p.label} result, shared_empty",
             unit="ms",
-            ours=results.get("result-shared", p.label, OURS),
+            ours=results.get("result", p.label, SHARED),
             floor=floor,
-            floor_label="warm np.copyto",
+            floor_label="warm np.copyto of the same bytes",
             # The baselines have no shared_empty: their only way is the plain array.
-            baselines={i: results.get("result-plain", p.label, i)
+            baselines={i: results.get("result", p.label, i)
                        for i in IMPLEMENTATIONS if i != OURS},
             target="≤ empty call + 1 ms",
         )

@@ -3,28 +3,28 @@ gather with as many peers. This is what every step pays on top of the model."""
 
 from __future__ import annotations
 
-from benchmarks import floors
+from collections.abc import Callable
+
 from benchmarks.config import Settings
 from benchmarks.pools import IMPLEMENTATIONS, OURS, Pool
 from benchmarks.results import FLOOR, Results, Row
-from benchmarks.stats import time_calls
 
 METRIC = "call"
 TARGET_WS = 2
 TARGET_RATIO = 1.3
 
 
-def measure_floor(world_size: int, results: Results, s: Settings) -> None:
-    results.put(METRIC, f"ws{world_size}", FLOOR,
-                floors.zmq_round_trip(world_size, n=s.call_iters, warmup=s.call_warmup))
-
-
-def measure(pool: Pool, world_size: int, results: Results, s: Settings) -> None:
-    if pool.generate(None) is not None:
-        raise RuntimeError(f"{pool.name}: an empty step returned something")
-    n = s.call_iters if pool.name == OURS else s.baseline_call_iters
-    results.put(METRIC, f"ws{world_size}", pool.name,
-                time_calls(lambda: pool.generate(None), n=n, warmup=s.call_warmup))
+def measure(pools: dict[str, Pool], world_size: int, results: Results, s: Settings) -> None:
+    """``pools`` holds the implementations and the raw zmq floor (key ``FLOOR``)."""
+    fns: dict[str, Callable[[], object]] = {}
+    for name, pool in pools.items():
+        if pool.generate(None) is not None:
+            results.notes.append(f"{name}: an empty step returned something")
+            continue
+        fns[name] = lambda p=pool: p.generate(None)
+    n = {k: s.call_iters if k in (OURS, FLOOR) else s.baseline_call_iters for k in fns}
+    results.measure(METRIC, f"ws{world_size}", fns, n, dict.fromkeys(fns, s.call_warmup),
+                    s.call_rounds)
 
 
 def rows(results: Results, s: Settings) -> list[Row]:
@@ -37,7 +37,7 @@ def rows(results: Results, s: Settings) -> list[Row]:
             unit="us",
             ours=results.get(METRIC, cfg, OURS),
             floor=results.get(METRIC, cfg, FLOOR),
-            floor_label="raw pyzmq PUB/SUB+PUSH/PULL",
+            floor_label="raw pyzmq PUB/SUB+PUSH/PULL, ~100-byte header, same peers",
             baselines={i: results.get(METRIC, cfg, i) for i in IMPLEMENTATIONS if i != OURS},
         )
         if ws == TARGET_WS:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from benchmarks.stats import Stats
+from benchmarks.stats import Stats, interleave
 
 FLOOR = "floor"
 
@@ -22,6 +23,18 @@ class Results:
 
     def get(self, metric: str, config: str, impl: str) -> Stats | None:
         return self.stats.get((metric, config, impl))
+
+    def measure(self, metric: str, config: str, fns: dict[str, Callable[[], object]],
+                n: dict[str, int], warmup: dict[str, int], rounds: int) -> None:
+        """Time ``fns`` (implementation -> one call) interleaved and keep their trials;
+        one that fails is noted and left out, the others still count."""
+
+        def failed(impl: str, exc: BaseException) -> None:
+            self.notes.append(f"{impl}: {metric} {config} failed: {exc!r}")
+
+        for impl, st in interleave(fns, n, warmup=warmup, rounds=rounds,
+                                   failed=failed).items():
+            self.put(metric, config, impl, st)
 
 
 @dataclass

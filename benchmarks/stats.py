@@ -66,3 +66,46 @@ def time_calls(fn: Callable[[], object], *, n: int, warmup: int) -> Stats:
         del out
         samples.append(t1 - t0)
     return summarize(samples)
+
+
+def interleave(
+    fns: dict[str, Callable[[], object]],
+    n: dict[str, int],
+    *,
+    warmup: dict[str, int],
+    rounds: int,
+    failed: Callable[[str, BaseException], None],
+) -> dict[str, Stats]:
+    """Time several implementations of one workload in alternating blocks.
+
+    The machine's load drifts (other processes, frequency, page cache); measuring one
+    implementation after the other would fold that drift into their ratio. Here each
+    round runs a block of every implementation in turn, so drift hits all alike. A
+    function that raises is reported through ``failed`` and left out from then on.
+    """
+    live = dict(fns)
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for key in list(live):
+        try:
+            for _ in range(warmup.get(key, 0)):
+                out = live[key]()
+                del out
+        except Exception as exc:
+            failed(key, exc)
+            del live[key]
+    gc.collect()
+    for _ in range(rounds):
+        for key in list(live):
+            block = max(1, -(-n[key] // rounds))
+            fn, acc = live[key], samples[key]
+            try:
+                for _ in range(block):
+                    t0 = time.perf_counter()
+                    out = fn()
+                    t1 = time.perf_counter()
+                    del out
+                    acc.append(t1 - t0)
+            except Exception as exc:
+                failed(key, exc)
+                del live[key]
+    return {k: summarize(v) for k, v in samples.items() if v and k in live}
