@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import tempfile
 import time
 
 import psutil
@@ -16,6 +17,20 @@ def shm_entries() -> set[str]:
         return set(os.listdir(SHM))
     except OSError:
         return set()
+
+
+TMP_PREFIXES = ("rdbench-", "reactor-dist-")  # ours and the runner's private ipc dirs
+
+
+def tmp_entries() -> set[str]:
+    try:
+        return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith(TMP_PREFIXES)}
+    except OSError:
+        return set()
+
+
+def snapshot() -> tuple[set[str], set[str]]:
+    return shm_entries(), tmp_entries()
 
 
 def leftover_children() -> list[psutil.Process]:
@@ -34,17 +49,19 @@ def leftover_children() -> list[psutil.Process]:
     return out
 
 
-def check(before: set[str], settle_s: float = 2.0) -> list[str]:
+def check(before: tuple[set[str], set[str]], settle_s: float = 2.0) -> list[str]:
     """Problems found after the run (empty when clean); leftover processes are killed."""
     gc.collect()
     deadline = time.monotonic() + settle_s
     while True:  # shutdown paths may unlink a moment after they return
-        new = sorted(shm_entries() - before)
+        new_shm = sorted(shm_entries() - before[0])
+        new_tmp = sorted(tmp_entries() - before[1])
         kids = leftover_children()
-        if (not new and not kids) or time.monotonic() > deadline:
+        if (not new_shm and not new_tmp and not kids) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    problems = [f"/dev/shm entry left behind: {name}" for name in new]
+    problems = [f"/dev/shm entry left behind: {name}" for name in new_shm]
+    problems += [f"temporary entry left behind: {tempfile.gettempdir()}/{n}" for n in new_tmp]
     for p in kids:
         try:
             problems.append(f"process left behind: pid {p.pid} {' '.join(p.cmdline())[:120]}")

@@ -12,11 +12,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 
 from benchmarks.config import Settings  # noqa: E402
+from benchmarks.frames import SHARED  # noqa: E402
 from benchmarks.pools import JSON, MPQ, OURS  # noqa: E402
 from benchmarks.results import FLOOR, Results  # noqa: E402
 from benchmarks.stats import Stats  # noqa: E402
 
-COLORS = {"floor": "#9e9e9e", OURS: "#1f77b4", "ours shared_empty": "#17becf",
+COLORS = {"floor": "#9e9e9e", OURS: "#1f77b4", SHARED: "#17becf",
           JSON: "#ff7f0e", MPQ: "#d62728"}
 
 
@@ -81,29 +82,37 @@ def overhead_panel(ax: Axes, r: Results, s: Settings) -> None:
 def frames_panel(ax: Axes, r: Results, s: Settings) -> None:
     labels = [p.label for p in s.payloads]
     _bars(ax, labels, {
-        "floor": [r.get("copy", lb, FLOOR) for lb in labels],
-        OURS: [r.get("result-plain", lb, OURS) for lb in labels],
-        "ours shared_empty": [r.get("result-shared", lb, OURS) for lb in labels],
-        JSON: [r.get("result-plain", lb, JSON) for lb in labels],
-        MPQ: [r.get("result-plain", lb, MPQ) for lb in labels],
+        "floor": [r.get("result", lb, FLOOR) for lb in labels],
+        OURS: [r.get("result", lb, OURS) for lb in labels],
+        SHARED: [r.get("result", lb, SHARED) for lb in labels],
+        JSON: [r.get("result", lb, JSON) for lb in labels],
+        MPQ: [r.get("result", lb, MPQ) for lb in labels],
     }, 1e3, "ms per step (log)", log=True)
     ax.set_title("Frames back, world_size 2 (floor: warm np.copyto)", fontsize=9)
 
 
 def broadcast_panel(ax: Axes, r: Results, s: Settings) -> None:
     cfgs = [(p.label, f"{p.label} ws{ws}", f"{p.label} in\nws {ws}")
-            for ws in (2, 4) if ws in s.world_sizes for p in s.payloads]
+            for ws in s.sink_world_sizes for p in s.payloads]
     groups = [c[2] for c in cfgs] + [f"{p.label} in+echo\nws 2" for p in s.payloads]
 
     def pick(impl: str) -> list[Stats | None]:
         return ([r.get("input", c[1], impl) for c in cfgs]
                 + [r.get("echo", p.label, impl) for p in s.payloads])
 
-    floor = [r.get("copy", c[0], FLOOR) for c in cfgs] + [r.get("copy", p.label, FLOOR)
-                                                        for p in s.payloads]
+    floor = ([r.get("result", c[0], FLOOR) for c in cfgs]
+             + [r.get("result", p.label, FLOOR) for p in s.payloads])
     _bars(ax, groups, {"floor": floor, OURS: pick(OURS), JSON: pick(JSON), MPQ: pick(MPQ)},
           1e3, "ms per step (log)", log=True)
     ax.set_title("Input broadcast and input + echo (floor: warm np.copyto)", fontsize=9)
+
+
+def _label_medians(ax: Axes, values: Sequence[Stats | None], scale: float, unit: str) -> None:
+    """Print each median above its bar (single-series panels, where bars are wide)."""
+    for g, st in enumerate(values):
+        if st is not None:
+            ax.annotate(f"{st.median * scale:.3g} {unit}", (g, st.p90 * scale),
+                        xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8)
 
 
 def failure_panel(ax: Axes, r: Results, s: Settings) -> None:
@@ -114,6 +123,7 @@ def failure_panel(ax: Axes, r: Results, s: Settings) -> None:
     ax.axhline(100, color="green", linestyle="--", linewidth=0.8, label="crash target 100 ms")
     ax.axhline(s.call_timeout_s * 1e3, color="gray", linestyle=":", linewidth=0.8,
                label="call_timeout")
+    _label_medians(ax, ours, 1e3, "ms")
     ax.legend(fontsize=7)
     ax.set_title("Failure notice, world_size 2", fontsize=9)
 

@@ -57,7 +57,8 @@ def markdown(rows: list[Row], r: Results, s: Settings, *, stem: str, when: str,
         f"Run {when}, {mode}, {wall_s:.0f} s. Machine: {machine.describe()}.",
         "",
         "Medians over repeated trials; spread p10–p90 and p99 of the same trials. "
-        "Speed-up = baseline median ÷ ours. Floors measured in the same run:",
+        "Speed-up = baseline median ÷ ours (below 1× the baseline is faster). "
+        "Floors measured in the same run:",
         "",
         *[f"- {f}" for f in report.floors_legend(rows)],
         "",
@@ -73,12 +74,12 @@ def markdown(rows: list[Row], r: Results, s: Settings, *, stem: str, when: str,
     if r.notes or problems:
         out += ["## Problems in this run", ""] + [f"- {n}" for n in r.notes + problems] + [""]
     else:
-        out += ["No /dev/shm entry and no process outlived the run.", ""]
+        out += ["No /dev/shm entry, temporary directory or process outlived the run.", ""]
     out += [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(out) + "\n"
 
 
-def readme_snippet(rows: list[Row], *, when: str, plot: str) -> str:
+def readme_snippet(rows: list[Row], *, when: str, plot: str, wall_s: float) -> str:
     return "\n".join([
         "## Performance",
         "",
@@ -87,14 +88,15 @@ def readme_snippet(rows: list[Row], *, when: str, plot: str) -> str:
         "next to this machine's floor measured in the same run and two baselines a user "
         "would otherwise write: `json-subprocess` (a subprocess per rank, JSON over "
         "stdin/stdout, frames through temporary `.npy` files) and `mp-queue` (a "
-        "multiprocessing spawn pool with a Queue per rank and pickled payloads).",
+        "multiprocessing spawn pool with a Queue per rank and pickled payloads). "
+        "Speed-up = baseline median ÷ ours (below 1× the baseline is faster).",
         "",
         report.markdown_table(rows),
         "",
         f"![benchmarks]({plot})",
         "",
-        "Reproduce with `make bench` (about 3 minutes on 2 cores) or `make bench-quick`; "
-        "results land in `benchmarks/results/`.",
+        f"Reproduce with `make bench` ({wall_s / 60:.0f} minutes here) or `make bench-quick` "
+        "(under one); results and plots land in `benchmarks/results/`.",
         "",
     ])
 
@@ -109,18 +111,21 @@ def main(argv: list[str] | None = None) -> int:
     out_dir: Path = args.out or DEFAULT_OUT
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    shm_before = hygiene.shm_entries()
+    before = hygiene.snapshot()
     now = dt.datetime.now()
     t0 = time.perf_counter()
     r = Results()
     for name, fn in FAMILIES:
         print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+        t_family = time.perf_counter()
         try:
             fn(s, r)
         except Exception as exc:  # report it and go on: the other families still count
             traceback.print_exc()
             r.notes.append(f"{name} failed: {exc!r}")
-    problems = hygiene.check(shm_before)
+        print(f"[bench] {name}: {time.perf_counter() - t_family:.0f} s", file=sys.stderr,
+              flush=True)
+    problems = hygiene.check(before)
     wall = time.perf_counter() - t0
 
     rows = collect_rows(r, s)
@@ -141,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         DOCS_PLOT.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(pngs[0], DOCS_PLOT)
         plot_ref = DOCS_PLOT.relative_to(HERE.parent).as_posix()
-        README_SNIPPET.write_text(readme_snippet(rows, when=when, plot=plot_ref))
+        README_SNIPPET.write_text(readme_snippet(rows, when=when, plot=plot_ref, wall_s=wall))
         print(f"wrote {README_SNIPPET} and {DOCS_PLOT}", file=sys.stderr)
     return 1 if (r.notes or problems) else 0
 

@@ -42,6 +42,7 @@ def rows(results: Results, s: Settings) -> list[Row]:
         Row(section="Start-up (torch worker, process group)", case=f"start() world_size {ws}",
             unit="s", ours=results.get("start", f"ws{ws}", OURS),
             floor=results.get("start", f"ws{ws}", FLOOR),
-            floor_label=f'{ws}× parallel python -c "import torch"')
+            floor_label='as many parallel `python -c "import torch"` as ranks, '
+                        'until each has imported it')
         for ws in s.startup_world_sizes
     ]
