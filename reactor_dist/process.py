@@ -24,7 +24,7 @@ import time
 
 import psutil
 
-TAIL_LINES = 40
+TAIL_LINES = 200  # enough for a faulthandler dump of every thread
 
 
 def signal_name(signum: int) -> str:
@@ -130,9 +130,26 @@ class RankProcess:
             return f"killed by {name}{hint}"
         return f"exited with code {code}"
 
+    def report_lines(self) -> list[str]:
+        """The last lines; after a fatal error (faulthandler's dump on SIGSEGV, SIGABRT,
+        ...) the lines before it, its cause and the crashing thread's stack, which the
+        dump of the other threads would otherwise push out of the last lines."""
+        lines = self.last_lines(TAIL_LINES)
+        fatal = max((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")),
+                    default=None)
+        if fatal is None:
+            return lines[-20:]
+        shown = lines[max(0, fatal - 5):fatal + 1]
+        current = next((i for i in range(fatal, len(lines))
+                        if lines[i].startswith("Current thread")), None)
+        if current is not None:
+            end = next((i for i in range(current, len(lines)) if not lines[i].strip()), len(lines))
+            shown += lines[current:end]
+        return shown
+
     def crash_report(self) -> str:
         self.drain()
-        lines = self.last_lines()
+        lines = self.report_lines()
         shown = "\n".join(f"    {line}" for line in lines) if lines else "    (no output)"
         return f"rank {self.rank} (pid {self.pid}) {self.exit_description()}; last output:\n{shown}"
 
