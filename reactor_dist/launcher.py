@@ -23,6 +23,7 @@ import os
 import pickle
 import runpy
 import select
+import shutil
 import signal
 import sys
 import threading
@@ -150,6 +151,9 @@ class RankServer:
 
     def on_runner_death(self) -> None:
         shm.remove_prefix(self.shm_dir, self.boot["shm_prefix"])
+        # The runner's private ipc directory too: nobody else will ever remove it.
+        shutil.rmtree(os.path.dirname(self.boot["cmd_addr"].removeprefix("ipc://")),
+                      ignore_errors=True)
         for child in psutil.Process().children(recursive=True):
             try:
                 child.kill()
