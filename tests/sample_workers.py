@@ -153,3 +153,153 @@ class NoMethods:
 class OnlyLoad:
     def load(self):
         pass
+
+
+# -- fault injection (tests/test_faults.py, test_runner_death.py, test_chaos.py) ---------------
+#
+# A fault is a dict ``{"phase": ..., "rank": r, "means": ..., "stamp_dir": d}``.  It fires
+# only in the process whose RANK is ``r`` (or, for ``rank == "caller"``, only in a process
+# without RANK, i.e. the application).  Just before it fires it writes ``time.time()`` to
+# ``<stamp_dir>/<phase>-<rank>`` so that a test can measure how late the runner reported it.
+
+FAULT_MEANS = ("raise", "exit", "sigkill", "segv", "hang")
+
+
+class InjectedFault(Exception):
+    """What the ``raise`` means raises (pickles; one message argument)."""
+
+
+def _fault_here(rank) -> bool:
+    here = os.environ.get("RANK")
+    return here is None if rank == "caller" else here == str(rank)
+
+
+def inject_fault(fault: dict) -> None:
+    """Fire ``fault`` in this process: raise, exit 3, SIGKILL, a real SIGSEGV or hang."""
+    means, phase = fault["means"], fault["phase"]
+    stamp_dir = fault.get("stamp_dir")
+    if stamp_dir:
+        with open(os.path.join(stamp_dir, f"{phase}-{fault['rank']}"), "w") as f:
+            f.write(repr(time.time()))
+    print(f"injecting {means} in {phase} on rank {os.environ.get('RANK', 'caller')}", flush=True)
+    if means == "raise":
+        raise InjectedFault(f"injected fault in {phase} on rank {fault['rank']}")
+    if means == "exit":
+        os._exit(3)
+    if means == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(10)
+    if means == "segv":
+        ctypes.string_at(0)  # a real segfault: faulthandler prints the stack, then SIGSEGV
+    if means == "hang":
+        if fault.get("ignore_sigterm"):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:
+            time.sleep(0.05)
+    raise ValueError(f"unknown means {means!r}")
+
+
+def maybe_fault(fault: dict | None, phase: str) -> None:
+    if fault and fault.get("phase") == phase and _fault_here(fault["rank"]):
+        inject_fault(fault)
+
+
+def _identity(value):
+    return value
+
+
+def _rebuild_or_fault(fault: dict, value):
+    maybe_fault(fault, fault["phase"])
+    return value
+
+
+class FaultOnUnpickle:
+    """Pickles anywhere; unpickling it fires ``fault`` where the fault says (else: ``value``)."""
+
+    def __init__(self, fault: dict, value=None) -> None:
+        self.fault, self.value = fault, value
+
+    def __reduce__(self):
+        return (_rebuild_or_fault, (self.fault, self.value))
+
+
+class FaultOnPickle:
+    """Pickling it fires ``fault`` where the fault says; elsewhere it pickles as ``value``."""
+
+    def __init__(self, fault: dict, value=None) -> None:
+        self.fault, self.value = fault, value
+
+    def __reduce__(self):
+        maybe_fault(self.fault, self.fault["phase"])
+        return (_identity, (self.value,))
+
+
+class FaultWorker(DistributedWorker):
+    """Fails at the phase its ``fault`` load_kwarg names, on the rank it names.
+
+    load / reset / shutdown faults come from load_kwargs; shutdown fires in
+    ``__del__``, which runs when the rank drops its worker on the way out.  A
+    generate input ``{"fault": {...}, "value": v}`` fires in generate(); an input
+    ``{"result": "pickle" | "unpickle", "on_rank": r, "fault": {...}, "value": v}``
+    makes rank ``r`` return ``v`` wrapped so that pickling it (on the rank) or
+    unpickling it (in the caller: fault rank "caller") fires; the other ranks return ``v``.
+    Anything else is echoed.
+    """
+
+    fault: dict | None = None
+
+    def load(self, fault: dict | None = None) -> None:
+        self.fault = fault
+        maybe_fault(fault, "load")
+
+    def generate(self, input, /):
+        if not isinstance(input, dict) or "fault" not in input:
+            return input
+        fault, value = input["fault"], input.get("value")
+        wrap = input.get("result")
+        if wrap is None:
+            maybe_fault(fault, fault["phase"])
+            return value
+        if input.get("on_rank", fault["rank"]) != self.rank:
+            return value  # only the chosen rank returns the booby-trapped result
+        if wrap == "pickle":
+            return FaultOnPickle(fault, value)
+        return {"value": value, "trap": FaultOnUnpickle(fault)}
+
+    def reset(self) -> None:
+        maybe_fault(self.fault, "reset")
+
+    def __del__(self) -> None:
+        maybe_fault(self.fault, "shutdown")
+
+
+def run_launcher_with_group_fault() -> None:
+    """A ``launch_prefix`` entry point: runs the rank's launcher in this process, with
+    the fault in $REACTOR_TEST_FAULT (JSON) fired as the rank starts to form the
+    torch.distributed group (worker code has not even been imported at that point)."""
+    import json
+
+    from reactor_dist import launcher
+
+    fault = json.loads(os.environ["REACTOR_TEST_FAULT"])
+    form_group = launcher.RankServer.form_group
+
+    def faulty_form_group(self, device, port):
+        maybe_fault(fault, "group")
+        return form_group(self, device, port)
+
+    launcher.RankServer.form_group = faulty_form_group
+    sys.exit(launcher.main([]))
+
+
+class ChildSpawningWorker(ScriptedWorker):
+    """ScriptedWorker plus ``{"op": "spawn_detached"}``: a child that leaves the rank's
+    process group (its own session), so that killing the group alone would miss it."""
+
+    def generate(self, script, /):
+        if isinstance(script, dict) and script.get("op") == "spawn_detached":
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                     start_new_session=True)
+            self.children.append(child)
+            return child.pid
+        return super().generate(script)

@@ -1,0 +1,265 @@
+"""Issue 4, item 2: the application process dies (SIGKILL: no atexit, no finalizer).
+
+DESIGN.md section 4: workers exit when the runner process dies, whatever killed it.
+Section 6: no /dev/shm entry outlives the runner, also after a crash or kill.  The
+ranks watch the runner's pid (a pidfd): on its death each one removes the runner's
+/dev/shm entries and ipc directory and kills every process it started.  Should the
+ranks die with it (the whole tree SIGKILLed), the next runner started on the machine
+removes entries whose owner is dead, and never those of a live runner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import psutil
+import pytest
+from conftest import wait_gone
+from sample_workers import ScriptedWorker
+
+from reactor_dist import DistributedRunner, shm
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS)
+
+APP = textwrap.dedent("""
+    import json, sys, time
+    sys.path.insert(0, {tests!r})
+    import numpy as np
+    from sample_workers import ChildSpawningWorker
+    from reactor_dist import DistributedRunner
+
+    mode, log_dir = sys.argv[1], sys.argv[2]
+    load_kwargs = {{"log_dir": log_dir}}
+    if mode == "loading":
+        load_kwargs["hang_load_on"] = [1]
+    runner = DistributedRunner(ChildSpawningWorker, world_size=2, init_process_group=False,
+                               device="cpu", call_timeout=600, load_kwargs=load_kwargs)
+    group = runner._group
+    print(json.dumps({{"prefix": group.shm_prefix}}), flush=True)
+    runner.start()
+    children = [runner.generate({{"op": "spawn_child"}}),
+                runner.generate({{"op": "spawn_detached"}})]
+    held = runner.generate({{"op": "array", "shape": [8 << 20]}})  # a result segment, held
+    print(json.dumps({{"ipc": group.ipc_dir, "ranks": [r.pid for r in group.ranks],
+                       "children": children}}), flush=True)
+    if mode == "idle":
+        print("idle", flush=True)
+        sys.stdin.read()  # until the test closes our stdin
+    else:
+        print("calling", flush=True)
+        runner.generate({{"op": "sleep", "seconds": 600, "value": np.ones(8 << 20, np.uint8)}})
+""")
+
+
+def our_entries(prefix: str) -> list[str]:
+    return [n for n in os.listdir(shm.DEFAULT_DIR) if n.startswith(prefix + ".")]
+
+
+class App:
+    """A runner in a subprocess: the application we are about to kill."""
+
+    def __init__(self, tmp_path, mode: str) -> None:
+        script = tmp_path / "app.py"
+        script.write_text(APP.format(tests=TESTS))
+        self.log_dir = tmp_path / f"logs-{os.urandom(4).hex()}"
+        self.log_dir.mkdir()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), mode, str(self.log_dir)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path,
+            env=dict(os.environ, PYTHONPATH=REPO))
+        self.info = json.loads(self.proc.stdout.readline())
+        self.ipc = None
+
+    def read_running(self) -> None:
+        self.info.update(json.loads(self.proc.stdout.readline()))
+        self.ipc = self.info["ipc"]
+        assert self.proc.stdout.readline().strip() in ("idle", "calling")
+
+    def wait_for_log(self, rank: int, text: str, timeout: float = 30.0) -> None:
+        path = self.log_dir / f"rank{rank}.log"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if path.exists() and text in path.read_text():
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"rank {rank} never logged {text!r}")
+
+    def tree(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+    def kill(self) -> float:
+        self.proc.kill()
+        self.proc.wait()
+        return time.monotonic()
+
+    def cleanup(self) -> None:
+        """Whatever a failed test left: never leave a process or file of the app behind."""
+        with contextlib.suppress(Exception):
+            self.proc.kill()
+            self.proc.wait(5)
+        for name in our_entries(self.info["prefix"]):
+            shm.unlink_quietly(os.path.join(shm.DEFAULT_DIR, name))
+        if self.ipc:
+            shutil.rmtree(self.ipc, ignore_errors=True)
+
+
+@pytest.fixture
+def apps(tmp_path):
+    started: list[App] = []
+
+    def start(mode: str) -> App:
+        app = App(tmp_path, mode)
+        started.append(app)
+        return app
+
+    yield start
+    for app in started:
+        for p in app_processes(app):
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        app.cleanup()
+
+
+def app_processes(app: App) -> list[psutil.Process]:
+    pids = app.info.get("ranks", []) + app.info.get("children", [])
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            procs.append(psutil.Process(pid))
+    return procs
+
+
+def assert_all_gone_within(pids, since: float, bound: float = 2.0) -> None:
+    alive = wait_gone(pids, timeout=bound)
+    assert alive == [], f"still alive {time.monotonic() - since:.2f} s after the runner died"
+    assert time.monotonic() - since < bound
+
+
+def assert_reclaimed(app: App, since: float, bound: float = 2.0) -> None:
+    deadline = since + bound
+    while time.monotonic() < deadline:
+        if not our_entries(app.info["prefix"]) and not os.path.exists(app.ipc):
+            return
+        time.sleep(0.01)
+    assert our_entries(app.info["prefix"]) == [], "the dead runner's /dev/shm entries remain"
+    assert not os.path.exists(app.ipc), "the dead runner's ipc directory remains"
+
+
+@pytest.mark.parametrize("mode", ["idle", "calling"])
+def test_sigkill_of_the_application_ends_every_rank_and_child_and_frees_shm(apps, mode):
+    app = apps(mode)
+    app.read_running()
+    if mode == "calling":
+        for rank in (0, 1):
+            app.wait_for_log(rank, "sleep")  # the call is in flight on every rank
+    tree = app.tree()
+    pids = [p.pid for p in tree]
+    assert set(app.info["ranks"]) <= set(pids)
+    assert len(pids) >= 2 + 4, "2 ranks, each with a child and a detached child"
+    detached = app.info["children"][1]
+    assert os.getsid(detached) != os.getsid(app.info["ranks"][0])  # left the rank's session
+    assert our_entries(app.info["prefix"]), "the runner should hold /dev/shm segments"
+    died = app.kill()
+    assert_all_gone_within(pids, died)
+    assert_reclaimed(app, died)
+
+
+def test_sigkill_of_the_application_during_start(apps):
+    """Killed while a rank is still in load(): the ranks follow all the same."""
+    app = apps("loading")
+    deadline = time.monotonic() + 30
+    ranks: list[psutil.Process] = []
+    while time.monotonic() < deadline and len(ranks) < 2:
+        ranks = [p for p in app.tree() if "reactor_dist.launcher" in " ".join(p.cmdline())]
+        time.sleep(0.05)
+    assert len(ranks) == 2
+    time.sleep(0.5)  # let them get into load()
+    pids = [p.pid for p in app.tree()]
+    died = app.kill()
+    assert_all_gone_within(pids, died)
+    assert our_entries(app.info["prefix"]) == []
+
+
+def fake_entry(pid: int, started: str, what: str = "in1") -> str:
+    name = f"rdist.{pid}.{started}.{os.urandom(4).hex()}.{what}"
+    fd = os.open(os.path.join(shm.DEFAULT_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.close(fd)
+    return name
+
+
+def start_tag(pid: int) -> str:
+    return f"{int(psutil.Process(pid).create_time() * 100):x}"
+
+
+def test_reclaim_dead_owners_removes_only_entries_of_dead_owners(apps):
+    gone = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    gone_tag = start_tag(gone.pid)
+    gone.communicate()
+    live_app = apps("idle")  # another live runner on the machine, in another process
+    live_app.read_running()
+    live_before = set(our_entries(live_app.info["prefix"]))
+    assert live_before
+    made: list[str] = []
+    try:
+        dead = fake_entry(gone.pid, gone_tag)
+        reused = fake_entry(os.getpid(), "1")     # our pid, but another (dead) process's
+        alive = fake_entry(os.getpid(), start_tag(os.getpid()))  # ours, alive
+        init = fake_entry(1, start_tag(1))        # a live process not ours
+        foreign = ["rdist.notapid.1.2.in1", "rdist.5", "other-app-segment"]
+        for name in foreign:
+            with open(os.path.join(shm.DEFAULT_DIR, name), "w"):
+                pass
+        made = [dead, reused, alive, init, *foreign]
+        with DistributedRunner(ScriptedWorker, world_size=1, init_process_group=False,
+                               device="cpu") as runner:  # start() reclaims
+            ours = runner._group.shm_prefix
+            runner.generate(np.ones(1 << 20, np.uint8))
+            assert our_entries(ours)
+            shm.reclaim_dead_owners(shm.DEFAULT_DIR)  # and again, with our runner live
+            assert our_entries(ours), "a live runner's entries were removed"
+        present = set(os.listdir(shm.DEFAULT_DIR))
+        assert dead not in present and reused not in present
+        assert {alive, init, *foreign} <= present
+        assert set(our_entries(live_app.info["prefix"])) == live_before
+    finally:
+        for name in made:
+            shm.unlink_quietly(os.path.join(shm.DEFAULT_DIR, name))
+    live_app.proc.stdin.close()  # the live app ends normally: its runner cleans up
+    assert live_app.proc.wait(30) == 0
+    assert our_entries(live_app.info["prefix"]) == []
+
+
+def test_entries_of_a_tree_killed_at_once_go_at_the_next_start(apps):
+    """Ranks SIGKILLed with their runner (an OOM kill of the cgroup, say) cannot clean
+    up: the next runner's start() removes the dead runner's entries, not a live one's."""
+    victim, bystander = apps("idle"), apps("idle")
+    victim.read_running()
+    bystander.read_running()
+    left = our_entries(victim.info["prefix"])
+    assert left and our_entries(bystander.info["prefix"])
+    os.kill(victim.proc.pid, signal.SIGSTOP)  # so it cannot react to its ranks' deaths
+    for p in app_processes(victim):
+        p.kill()
+    assert wait_gone(victim.info["ranks"] + victim.info["children"], timeout=2.0) == []
+    victim.kill()
+    assert our_entries(victim.info["prefix"]) == left  # nobody was left to remove them
+    shutil.rmtree(victim.ipc)  # not promised: start() only reclaims /dev/shm
+    with DistributedRunner(ScriptedWorker, world_size=1, init_process_group=False,
+                           device="cpu") as runner:
+        assert runner.generate(1) == 1
+    assert our_entries(victim.info["prefix"]) == []
+    assert our_entries(bystander.info["prefix"]), "a live runner's entries were removed"
+    bystander.proc.stdin.close()
+    assert bystander.proc.wait(30) == 0
+    assert our_entries(bystander.info["prefix"]) == []
