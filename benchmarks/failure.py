@@ -41,7 +41,7 @@ def crash_trial(rank: int) -> tuple[float, float]:
     """(SIGKILL of ``rank`` -> WorkerCrashed raised, shutdown() after it) in seconds."""
     from reactor_dist import WorkerCrashed
 
-    pid_dir = tempfile.mkdtemp(prefix="rdbench-pids-")
+    pid_dir = tempfile.mkdtemp(prefix=f"rdbench-{os.getpid()}-pids-")
     runner = _runner(pid_dir, call_timeout=SLEEP_S * 2)
     try:
         runner.start()
@@ -77,7 +77,7 @@ def timeout_trial(call_timeout: float) -> tuple[float, float]:
     """(call -> WorkerTimeout while every rank hangs, shutdown() of the hung ranks)."""
     from reactor_dist import WorkerTimeout
 
-    pid_dir = tempfile.mkdtemp(prefix="rdbench-pids-")
+    pid_dir = tempfile.mkdtemp(prefix=f"rdbench-{os.getpid()}-pids-")
     runner = _runner(pid_dir, call_timeout=call_timeout)
     try:
         runner.start()

@@ -3,6 +3,7 @@ of this design can beat, so every figure is read as a multiple of them."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,7 @@ class ZmqFloor:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self.tmp = tempfile.mkdtemp(prefix="rdbench-zmq-")
+        self.tmp = tempfile.mkdtemp(prefix=f"rdbench-{os.getpid()}-zmq-")
         self.ctx = zmq.Context()
         self.pub, self.pull = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.PULL)
         self.pub.setsockopt(zmq.LINGER, 0)

@@ -1,4 +1,6 @@
-"""A benchmark must leave the machine as it found it: no /dev/shm entry, no process."""
+"""A benchmark must leave the machine as it found it: no /dev/shm entry, no temporary
+directory, no process. Other programs may run beside us (a test suite, another
+benchmark), so only what this process made is counted."""
 
 from __future__ import annotations
 
@@ -6,10 +8,29 @@ import gc
 import os
 import tempfile
 import time
+from pathlib import Path
 
 import psutil
 
 SHM = "/dev/shm"
+
+
+def _tmp_prefixes() -> tuple[str, ...]:
+    # Ours (failure pid files, zmq floor, json baseline) and the runner's private ipc dirs;
+    # both carry the pid of the process that made them.
+    pid = os.getpid()
+    return (f"rdbench-{pid}-", f"reactor-dist-{pid}-")
+
+
+def _runner_shm_prefix() -> str | None:
+    """The prefix of every /dev/shm entry a runner in this process names (internal API:
+    the bench lives in the same repository)."""
+    try:
+        from reactor_dist import shm
+
+        return shm.owner_prefix()
+    except (ImportError, AttributeError):
+        return None
 
 
 def shm_entries() -> set[str]:
@@ -19,18 +40,44 @@ def shm_entries() -> set[str]:
         return set()
 
 
-TMP_PREFIXES = ("rdbench-", "reactor-dist-")  # ours and the runner's private ipc dirs
-
-
 def tmp_entries() -> set[str]:
     try:
-        return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith(TMP_PREFIXES)}
+        return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith(_tmp_prefixes())}
     except OSError:
         return set()
 
 
 def snapshot() -> tuple[set[str], set[str]]:
     return shm_entries(), tmp_entries()
+
+
+def _held_elsewhere(names: list[str]) -> set[str]:
+    """Entries another live process maps or has open: theirs, not a leak of ours."""
+    held: set[str] = set()
+    me = os.getpid()
+    for pid in psutil.pids():
+        if pid == me:
+            continue
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        for name in names:
+            path = f"{SHM}/{name}"
+            if path in maps or path in fds:
+                held.add(name)
+    return held
+
+
+def _mine(new: list[str]) -> list[str]:
+    """New entries that are ours: named by our runners, or held by no other process
+    (multiprocessing's semaphores have random names)."""
+    prefix = _runner_shm_prefix()
+    ours = [n for n in new if prefix and n.startswith(prefix)]
+    rest = [n for n in new if n not in ours]
+    held = _held_elsewhere(rest) if rest else set()
+    return ours + [n for n in rest if n not in held]
 
 
 def leftover_children() -> list[psutil.Process]:
@@ -54,7 +101,7 @@ def check(before: tuple[set[str], set[str]], settle_s: float = 2.0) -> list[str]
     gc.collect()
     deadline = time.monotonic() + settle_s
     while True:  # shutdown paths may unlink a moment after they return
-        new_shm = sorted(shm_entries() - before[0])
+        new_shm = _mine(sorted(shm_entries() - before[0]))
         new_tmp = sorted(tmp_entries() - before[1])
         kids = leftover_children()
         if (not new_shm and not new_tmp and not kids) or time.monotonic() > deadline:

@@ -22,7 +22,7 @@ class JsonSubprocessPool:
 
     def __init__(self, world_size: int, result_shapes: list[tuple[int, ...]]) -> None:
         self.world_size = world_size
-        self.tmp = tempfile.mkdtemp(prefix="rdbench-json-")
+        self.tmp = tempfile.mkdtemp(prefix=f"rdbench-{os.getpid()}-json-")
         self._seq = 0
         self.procs: list[subprocess.Popen[bytes]] = []
         try:
