@@ -1,0 +1,211 @@
+"""Issue 4, item 5: fuzzing the header/frame decoder and the runner's waiting loop.
+
+``wire.unpack`` must turn every message that is not an authentic, well-formed one
+into ``wire.ProtocolError`` (never another exception, never a hang), and accept
+only headers whose kind, sequence number and rank have the right types.  A live
+runner's waiting loop must shrug off a burst of such messages in the middle of a
+call.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sample_workers import ScriptedWorker
+
+from reactor_dist import DistributedRunner, wire
+
+SECRET = bytes(range(32))
+KINDS = sorted(wire.COMMANDS | wire.REPLIES)
+FUZZ = settings(max_examples=400, deadline=1000, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow])
+
+frames = st.binary(max_size=300) | st.sampled_from([b"", b"\0" * 32, b"\xff" * 33])
+# Frames as ZeroMQ hands them over: bytes (copied receive) or zmq.Frame (zero-copy).
+as_frames = st.lists(st.tuples(frames, st.booleans()), max_size=6).map(
+    lambda fs: [zmq.Frame(f) if frame_object else f for f, frame_object in fs])
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2 ** 63), 2 ** 64 - 1) | st.floats()
+    | st.text(max_size=20) | st.binary(max_size=20),
+    lambda inner: st.lists(inner, max_size=5)
+    | st.dictionaries(st.text(max_size=5) | st.sampled_from(["k", "s", "r"]), inner, max_size=5),
+    max_leaves=25)
+
+wrong = (st.booleans() | st.none() | st.text(max_size=8) | st.floats() | st.binary(max_size=8)
+         | st.lists(st.integers(-5, 5), max_size=2) | st.integers(-(2 ** 63), 2 ** 64 - 1))
+kind = st.integers(0, 4).flatmap(lambda i: wrong if i == 0 else st.sampled_from(KINDS))
+number = st.integers(0, 4).flatmap(
+    lambda i: wrong if i == 0 else st.integers(-(2 ** 63), 2 ** 64 - 1))
+# Mostly valid kind/seq/rank fields (so the accepting path is fuzzed too), sometimes a
+# wrong type or a missing one, plus whatever else a header might carry.
+headers = st.tuples(
+    st.fixed_dictionaries({"k": kind, "s": number, "r": number}),
+    st.sets(st.sampled_from("ksr"), max_size=1),
+    st.dictionaries(st.text(max_size=4), msgpack_values, max_size=3),
+).map(lambda t: {**t[2], **{k: v for k, v in t[0].items() if k not in t[1]}})
+
+
+def signed(head: bytes, body: list[bytes]) -> list[bytes]:
+    """A message with a valid MAC around an arbitrary header frame."""
+    return [wire._mac(SECRET, [head, *body]) + head, *body]
+
+
+def check(parts) -> None:
+    """unpack either refuses with ProtocolError or returns a header that passed every check."""
+    try:
+        header, body = wire.unpack(SECRET, parts)
+    except wire.ProtocolError as exc:
+        assert str(exc)  # a clear internal error, never an empty one
+        return
+    assert isinstance(header, dict)
+    assert header["k"] in wire.COMMANDS | wire.REPLIES
+    assert type(header["s"]) is int and type(header["r"]) is int
+    assert [bytes(memoryview(b)) for b in body] == [bytes(memoryview(p)) for p in parts[1:]]
+
+
+@FUZZ
+@given(as_frames)
+def test_arbitrary_multipart_messages_are_rejected(parts):
+    with pytest.raises(wire.ProtocolError):
+        wire.unpack(SECRET, parts)
+
+
+@FUZZ
+@given(st.binary(max_size=400), st.lists(st.binary(max_size=50), max_size=3))
+def test_arbitrary_header_bytes_with_a_valid_mac(head, body):
+    check(signed(head, body))
+
+
+@FUZZ
+@given(msgpack_values, st.lists(st.binary(max_size=50), max_size=3))
+def test_arbitrary_msgpack_headers_with_a_valid_mac(value, body):
+    check(signed(msgpack.packb(value, use_bin_type=True), body))
+
+
+@FUZZ
+@given(headers, st.lists(st.binary(max_size=50), max_size=3))
+def test_header_maps_near_the_valid_ones(header, body):
+    check(signed(msgpack.packb(header, use_bin_type=True), body))
+
+
+@FUZZ
+@given(st.sampled_from(KINDS), st.integers(0, 2 ** 63 - 1), st.integers(-1, 7),
+       st.binary(min_size=1, max_size=200), st.integers(0, 10 ** 6), st.integers(0, 255))
+def test_any_alteration_of_an_authentic_message_is_rejected(kind, seq, rank, payload, at, bit):
+    parts = wire.pack(SECRET, {"k": kind, "s": seq, "r": rank}, [payload])
+    assert wire.unpack(SECRET, parts)[0] == {"k": kind, "s": seq, "r": rank}
+    flat = bytearray(b"".join(parts))
+    at %= len(flat)
+    flat[at] ^= 1 << (bit % 8)
+    cut = len(parts[0])
+    with pytest.raises(wire.ProtocolError):
+        wire.unpack(SECRET, [bytes(flat[:cut]), bytes(flat[cut:])])
+
+
+@pytest.mark.parametrize("head", [
+    b"\xdd\xff\xff\xff\xff",            # an array that claims 4 billion items
+    b"\xdf\xff\xff\xff\xff",            # a map that does
+    b"\xdb\xff\xff\xff\xff",            # a 4 GB string
+    b"\xc6\xff\xff\xff\xff",            # a 4 GB bin
+    b"\x91" * 100_000,                  # nesting 100,000 deep
+    b"\x81\x01\x02",                    # an int map key
+    b"\xd6\xff\x00\x00\x00\x00",        # a timestamp extension
+    b"\xc7\x03\xff\x00\x00\x00",        # a malformed timestamp extension
+    b"\xc1",                            # the never-used byte
+    b"\x80" + b"\x00" * 10,             # extra data after the map
+])
+def test_nasty_msgpack_with_a_valid_mac_is_rejected_quickly(head):
+    started = time.monotonic()
+    with pytest.raises(wire.ProtocolError):
+        wire.unpack(SECRET, signed(head, []))
+    assert time.monotonic() - started < 0.5
+
+
+def random_message(rng: random.Random) -> list[bytes]:
+    """What a confused or hostile peer might send: noise, near misses, wrong keys."""
+    choice = rng.randrange(5)
+    if choice == 0:
+        return [rng.randbytes(rng.randrange(100)) for _ in range(rng.randrange(1, 6))]
+    header = {"k": rng.choice(KINDS), "s": rng.randrange(100), "r": rng.randrange(-1, 3),
+              "st": rng.choice([wire.OK, wire.RAISED, wire.UNDELIVERABLE]), "d": []}
+    head = msgpack.packb(header)
+    if choice == 1:   # signed with the wrong secret
+        return wire.pack(rng.randbytes(32), header, [rng.randbytes(20)])
+    if choice == 2:   # a zero MAC
+        return [b"\0" * 32 + head, rng.randbytes(20)]
+    if choice == 3:   # truncated
+        return [head[:rng.randrange(len(head))]]
+    return [rng.randbytes(32) + rng.randbytes(rng.randrange(300))]
+
+
+def test_a_live_waiting_loop_survives_a_burst_during_a_call():
+    rng = random.Random(5)
+    with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
+                           device="cpu", call_timeout=10) as runner:
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(f"ipc://{runner._group.ipc_dir}/reply")
+        try:
+            value = np.arange(1 << 18, dtype=np.int64)
+            for _ in range(3):
+                out: dict = {}
+
+                def call(value=value, out=out):
+                    out["r"] = runner.generate({"op": "sleep", "seconds": 0.3, "value": value})
+
+                thread = threading.Thread(target=call)
+                started = time.monotonic()
+                thread.start()
+                for _ in range(3000):
+                    push.send_multipart(random_message(rng))
+                thread.join(10)
+                np.testing.assert_array_equal(out["r"], value)
+                assert time.monotonic() - started < 3.0
+                assert runner.healthy
+            for i in range(20):  # idle bursts, then calls that read them
+                for _ in range(100):
+                    push.send_multipart(random_message(rng))
+                assert runner.generate(i) == i
+        finally:
+            push.close()
+            ctx.term()
+        assert runner.healthy
+
+
+def test_a_live_waiting_loop_with_hypothesis_messages():
+    with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
+                           device="cpu", call_timeout=10) as runner:
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(f"ipc://{runner._group.ipc_dir}/reply")
+        calls = iter(range(10 ** 6))
+
+        @settings(max_examples=100, deadline=5000, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(st.lists(st.lists(st.binary(max_size=200), min_size=1, max_size=5)
+                        | headers.map(lambda h: [os.urandom(32) + msgpack.packb(h)]),
+                        max_size=20))
+        def burst(messages):
+            for m in messages:
+                push.send_multipart(m)
+            n = next(calls)
+            assert runner.generate(n) == n
+
+        try:
+            burst()
+        finally:
+            push.close()
+            ctx.term()
+        assert runner.healthy
