@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image, ImageDraw
 from video_app import VideoApp
 
@@ -46,7 +47,10 @@ def run(args: argparse.Namespace) -> list[tuple[str, np.ndarray]]:
     app = VideoApp(world_size=args.world_size, device=args.device, load_kwargs=load_kwargs)
     t = time.perf_counter()
     app.load()
-    print(f"started {args.world_size} ranks ({args.device}) in {time.perf_counter() - t:.1f} s;"
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"started {args.world_size} ranks ({device}) in {time.perf_counter() - t:.1f} s;"
           f" {args.frames} frames of {args.width}x{args.height} per step,"
           f" {args.chunks_per_rollout} chunks per rollout")
     chunks: list[tuple[str, np.ndarray]] = []
