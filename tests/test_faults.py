@@ -15,6 +15,8 @@ group formation     ``launch_prefix`` runs the launcher through
                     ``run_launcher_with_group_fault``, which fires the fault as the
                     rank starts to form the torch.distributed (gloo) group.  Worker
                     code is not even imported at that point, so this is the only way in.
+                    Needing torch, this row is slow: two of its cells run in
+                    ``make test``, all ten in ``make test-slow``.
 load()              ``load_kwargs={"fault": ...}``
 input unpickling    an input object whose ``__reduce__`` rebuilds through a function
                     that fires on the chosen rank only

@@ -1,0 +1,82 @@
+"""Issue 4, item 6 (slow): 2,000 calls with 8 MB results at world_size 2, each result
+dropped by the caller: nothing grows.  Runner and rank RSS, open file descriptors and
+/dev/shm usage end within 10% of where they were after the first 100 calls."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import numpy as np
+import psutil
+import pytest
+from sample_workers import ScriptedWorker
+
+from reactor_dist import DistributedRunner, shm
+
+CALLS = 2000
+WARM = 100
+MB8 = 8 << 20
+TOLERANCE = 0.10
+
+
+def shm_usage(prefix: str) -> tuple[int, int]:
+    count = size = 0
+    for name in os.listdir(shm.DEFAULT_DIR):
+        if name.startswith(prefix + "."):
+            try:
+                size += os.stat(os.path.join(shm.DEFAULT_DIR, name)).st_blocks * 512
+                count += 1
+            except FileNotFoundError:
+                pass
+    return count, size
+
+
+def snapshot(runner: DistributedRunner) -> dict[str, int]:
+    gc.collect()
+    time.sleep(0.05)  # let the ranks finish their after-reply bookkeeping
+    me = psutil.Process()
+    values = {"runner rss": me.memory_info().rss, "runner fds": me.num_fds()}
+    for r in runner._group.ranks:
+        p = psutil.Process(r.pid)
+        values[f"rank {r.rank} rss"] = p.memory_info().rss
+        values[f"rank {r.rank} fds"] = p.num_fds()
+    values["shm entries"], values["shm bytes"] = shm_usage(runner._group.shm_prefix)
+    return values
+
+
+def one_call(runner: DistributedRunner, i: int, payload: np.ndarray) -> None:
+    kind = i % 3
+    if kind == 0:      # a fresh array: copied once into a warm result segment
+        out = runner.generate({"op": "array", "shape": [MB8], "fill": i % 251})
+    elif kind == 1:    # shared_empty: built in shared memory, no copy
+        out = runner.generate({"op": "shared", "shape": [MB8], "fill": i % 251})
+    else:              # an 8 MB input echoed back: input segment and result segment
+        payload[0] = payload[-1] = i % 251
+        out = runner.generate(payload)
+    assert out.nbytes == MB8
+    assert out[0] == i % 251 and out[-1] == i % 251
+    del out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_soak_2000_calls_with_8mb_results_grow_nothing():
+    payload = np.zeros(MB8, np.uint8)
+    started = time.monotonic()
+    with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
+                           device="cpu", call_timeout=30) as runner:
+        for i in range(WARM):
+            one_call(runner, i, payload)
+        base = snapshot(runner)
+        for i in range(WARM, CALLS):
+            one_call(runner, i, payload)
+        end = snapshot(runner)
+        assert runner.healthy
+    elapsed = time.monotonic() - started
+    report = "\n".join(f"  {k:12} {base[k]:>12,} -> {end[k]:>12,}" for k in base)
+    print(f"\n{CALLS} calls in {elapsed:.1f} s\n{report}")
+    moved = [k for k in base if abs(end[k] - base[k]) > base[k] * TOLERANCE]
+    assert not moved, f"moved by more than {TOLERANCE:.0%}: {moved}\n{report}"
+    assert elapsed < 60, f"the soak took {elapsed:.1f} s (budget: under a minute)"
