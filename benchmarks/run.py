@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import shutil
 import sys
 import time
@@ -49,12 +50,12 @@ def collect_rows(r: Results, s: Settings) -> list[Row]:
 
 
 def markdown(rows: list[Row], r: Results, s: Settings, *, stem: str, when: str,
-             plots: list[Path], wall_s: float, problems: list[str]) -> str:
+             plots: list[Path], wall_s: float, problems: list[str], load: str) -> str:
     mode = "quick (`make bench-quick`)" if s.quick else "full (`make bench`)"
     out = [
         f"# reactor_dist benchmarks: {stem}",
         "",
-        f"Run {when}, {mode}, {wall_s:.0f} s. Machine: {machine.describe()}.",
+        f"Run {when}, {mode}, {wall_s:.0f} s, {load}. Machine: {machine.describe()}.",
         "",
         "Medians over repeated trials; spread p10–p90 and p99 of the same trials. "
         "Speed-up = baseline median ÷ ours (below 1× the baseline is faster). "
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir: Path = args.out or DEFAULT_OUT
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    load_before = os.getloadavg()[0]
     before = hygiene.snapshot()
     now = dt.datetime.now()
     t0 = time.perf_counter()
@@ -127,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     problems = hygiene.check(before)
     wall = time.perf_counter() - t0
+    load_after = os.getloadavg()[0]
+    load = f"1-minute load average {load_before:.1f} at the start, {load_after:.1f} at the end"
+    busy = max(load_before, load_after) > (os.cpu_count() or 1) * 0.75
+    if busy:
+        load += " (other work shared the cores: figures are inflated)"
+        print(f"[bench] warning: {load}", file=sys.stderr)
 
     rows = collect_rows(r, s)
     print(report.text_table(rows))
@@ -140,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     when = f"{now:%Y-%m-%d %H:%M}"
     md = out_dir / f"{stem}.md"
     md.write_text(markdown(rows, r, s, stem=stem, when=when, plots=pngs, wall_s=wall,
-                           problems=problems))
+                           problems=problems, load=load))
     print(f"\nwrote {md} and {len(pngs)} plots in {wall:.0f} s", file=sys.stderr)
     if args.out is None and not s.quick:
         DOCS_PLOT.parent.mkdir(parents=True, exist_ok=True)
