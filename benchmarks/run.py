@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     load_after = os.getloadavg()[0]
     load = f"1-minute load average {load_before:.1f} at the start, {load_after:.1f} at the end"
-    busy = max(load_before, load_after) > (os.cpu_count() or 1) * 0.75
+    # Only the start tells: by the end the load average counts the bench's own ranks.
+    busy = load_before > (os.cpu_count() or 1) * 0.75
     if busy:
         load += " (other work shared the cores: figures are inflated)"
         print(f"[bench] warning: {load}", file=sys.stderr)
