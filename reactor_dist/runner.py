@@ -41,7 +41,13 @@ def _close_group(group: RankGroup, state: list[str]) -> None:
     """Finalizer (also at interpreter exit): never leave a process or a file behind."""
     graceful = state[0] == READY
     state[0] = CLOSED
-    group.close(graceful=graceful)
+    try:
+        group.close(graceful=graceful)
+    except BaseException:
+        # Interrupted (Ctrl-C while a rank takes its grace period): the finalizer has
+        # fired and will not run again, so end the rest now, without grace.
+        group.close(graceful=False)
+        raise
 
 
 class DistributedRunner:
