@@ -16,7 +16,7 @@ group formation     ``launch_prefix`` runs the launcher through
                     rank starts to form the torch.distributed (gloo) group.  Worker
                     code is not even imported at that point, so this is the only way in.
                     Needing torch, this row is slow: two of its cells run in
-                    ``make test``, all ten in ``make test-slow``.
+                    ``make test``, the other eight in ``make test-slow``.
 load()              ``load_kwargs={"fault": ...}``
 input unpickling    an input object whose ``__reduce__`` rebuilds through a function
                     that fires on the chosen rank only
@@ -485,3 +485,24 @@ def test_the_next_call_never_receives_the_interrupted_calls_result():
                 runner.generate({"op": "sleep", "seconds": 0.3, "value": ("old", i)})
             assert runner.generate({"op": "sleep", "seconds": 0.05, "value": ("new", i)}) == \
                 ("new", i)
+
+
+def test_ctrl_c_during_a_slow_shutdown_still_ends_everything():
+    """A rank stuck in its teardown (an NCCL destroy that hangs, say) makes shutdown()
+    wait shutdown_grace; Ctrl-C then cuts the grace short: every process is ended and
+    every file removed before the KeyboardInterrupt reaches the caller."""
+    fault = {"phase": "shutdown", "rank": 1, "means": "hang"}
+    runner = DistributedRunner(FaultWorker, world_size=2, load_kwargs={"fault": fault},
+                               init_process_group=False, device="cpu", shutdown_grace=30)
+    runner.start()
+    pids, ipc_dir = processes_of(runner), runner._group.ipc_dir
+    prefix = runner._group.shm_prefix
+    runner.generate({"big": BIG})
+    with interrupt_after(0.3):
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            runner.shutdown()
+    assert time.monotonic() - started < 0.3 + 2.0 + 0.5  # no grace, SIGTERM and SIGKILL
+    assert_nothing_left(pids, ipc_dir, prefix, set())
+    runner.shutdown()  # still idempotent
+    assert not runner.healthy
