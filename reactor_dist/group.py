@@ -107,6 +107,9 @@ class RankGroup:
         self.poller.register(self.pull, zmq.POLLIN)
         self.death_fds: dict[int, int] = {}
         self.launcher_fds: list[int] = []
+        # For models that form their own group (init_process_group=False): one port for
+        # all ranks. With our group, rank 0's store binds port 0 and INIT carries its port.
+        self.master_port = _free_port()
         for rank in range(self.world_size):
             self._spawn(rank, cmd_addr, reply_addr)
 
@@ -133,7 +136,7 @@ class RankGroup:
             [package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(self.world_size),
                    LOCAL_WORLD_SIZE=str(self.world_size), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(_free_port()), PYTHONUNBUFFERED="1")
+                   MASTER_PORT=str(self.master_port), PYTHONUNBUFFERED="1")
         if self._gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self._gpus)
         boot = dict(self._spec, rank=rank, world_size=self.world_size, secret=self.secret,

@@ -303,3 +303,23 @@ class ChildSpawningWorker(ScriptedWorker):
             self.children.append(child)
             return child.pid
         return super().generate(script)
+
+
+class TorchrunStyleWorker(DistributedWorker):
+    """Forms its own group from the torchrun environment (init_process_group=False)."""
+
+    def load(self) -> None:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")  # env:// rendezvous: MASTER_ADDR / MASTER_PORT
+        self.dist = dist
+
+    def generate(self, x, /):
+        import torch
+
+        t = torch.tensor([float(x) * (int(os.environ["RANK"]) + 1)])
+        self.dist.all_reduce(t)
+        return float(t)
+
+    def reset(self) -> None:
+        pass

@@ -169,3 +169,11 @@ def test_worker_class_in_a_main_module_run_with_dash_m(tmp_path):
     out = run_script(tmp_path, MAIN_SCRIPT, "-m", "mypkg.app")
     assert out.returncode == 0, out.stderr
     assert "RESULT Answer 0 hello, world" in out.stdout
+
+
+def test_torchrun_style_model_forms_its_own_group_from_the_environment():
+    from sample_workers import TorchrunStyleWorker
+
+    with DistributedRunner(TorchrunStyleWorker, world_size=2, init_process_group=False,
+                           device="cpu", start_timeout=60) as runner:
+        assert runner.generate(1.0) == 3.0

@@ -10,16 +10,27 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def readme_block(heading: str) -> str:
+def readme_blocks(heading: str) -> list[str]:
     with open(os.path.join(REPO, "README.md")) as f:
         text = f.read()
-    section = text.split(f"## {heading}\n", 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    section = text.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def run_block(tmp_path, code: str) -> str:
+    (tmp_path / "example.py").write_text(code)
+    out = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=180, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
 
 
 def test_quickstart_runs_as_printed(tmp_path):
-    (tmp_path / "quickstart.py").write_text(readme_block("Quickstart"))
-    out = subprocess.run([sys.executable, "quickstart.py"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=180, env=dict(os.environ, PYTHONPATH=REPO))
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "2.0"
+    (block,) = readme_blocks("Quickstart")
+    assert run_block(tmp_path, block) == "2.0"
+
+
+def test_bring_your_own_model_examples_run_as_printed(tmp_path):
+    torchrun_style, runner_group = readme_blocks("Bring your own model")
+    assert run_block(tmp_path, torchrun_style) == "3.0"
+    assert run_block(tmp_path, runner_group) == "56.0"
