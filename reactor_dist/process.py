@@ -25,6 +25,9 @@ import time
 import psutil
 
 TAIL_LINES = 200  # enough for a faulthandler dump of every thread
+# Inherited by every process a rank starts: finds them when the process tree no longer
+# does (their rank died and they left its process group, or a daemon double-forked).
+MARK_ENV = "REACTOR_DIST_RANK_MARK"
 
 
 def signal_name(signum: int) -> str:
@@ -40,9 +43,11 @@ class RankProcess:
     def __init__(self, rank: int, cmd: list[str], env: dict[str, str], cwd: str,
                  bootstrap: bytes) -> None:
         self.rank = rank
+        self.mark = f"{os.getpid()}-{id(self):x}-{os.urandom(4).hex()}"
         self.popen = subprocess.Popen(
-            cmd, env=env, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+            cmd, env={**env, MARK_ENV: self.mark}, cwd=cwd, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            close_fds=True,
         )
         self.pid = self.pgid = self.popen.pid
         self.launcher_pid = self.pid  # differs when a launch_prefix wraps the launcher
@@ -182,13 +187,41 @@ def wait_all_exit(ranks: list[RankProcess], timeout: float) -> bool:
         time.sleep(0.005)
 
 
+def marked_processes(marks: set[str], known: set[int]) -> list[psutil.Process]:
+    """Live processes (other than ``known``) whose environment carries one of ``marks``."""
+    found = []
+    for p in psutil.process_iter():
+        if p.pid in known or p.pid == os.getpid():
+            continue
+        with contextlib.suppress(psutil.Error):  # gone, a zombie, or not ours to read
+            if p.environ().get(MARK_ENV) in marks:
+                found.append(p)
+    return found
+
+
+def wait_ended(procs: list[psutil.Process], timeout: float) -> None:
+    """Until each process is gone or a zombie: dead, holding nothing, waiting only for
+    its new parent (init, which may reap lazily) to reap it."""
+    def running(p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + timeout
+    while any(running(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def end_ranks(ranks: list[RankProcess], term_grace: float = 2.0) -> None:
     """SIGTERM each rank's process group, SIGKILL what is left, reap everything.
 
     Descendants are listed first, so that a grandchild which left the process
-    group (setsid) is still found and killed.
+    group (setsid) is still found and killed; so are the processes carrying a
+    rank's mark, which the tree no longer leads to once their rank has died.
     """
     strays = [p for r in ranks for p in r.descendants()]
+    strays += marked_processes({r.mark for r in ranks}, {p.pid for p in strays})
     for r in ranks:
         if r.alive():
             r.signal_group(signal.SIGTERM)
@@ -201,6 +234,6 @@ def end_ranks(ranks: list[RankProcess], term_grace: float = 2.0) -> None:
     for r in ranks:
         with contextlib.suppress(subprocess.TimeoutExpired):
             r.popen.wait(timeout=5.0)
-    psutil.wait_procs(strays, timeout=2.0)
+    wait_ended(strays, timeout=2.0)
     for r in ranks:
         r.close()
