@@ -66,6 +66,7 @@ import pytest
 from conftest import live_descendants, our_shm_entries, wait_gone
 from sample_workers import (
     FAULT_MEANS,
+    ChildSpawningWorker,
     FaultOnUnpickle,
     FaultWorker,
     InjectedFault,
@@ -506,3 +507,21 @@ def test_ctrl_c_during_a_slow_shutdown_still_ends_everything():
     assert_nothing_left(pids, ipc_dir, prefix, set())
     runner.shutdown()  # still idempotent
     assert not runner.healthy
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_shutdown_ends_what_a_crashed_rank_started_even_outside_its_group(victim):
+    """A rank that dies leaves its children to init: the tree no longer leads to them,
+    and a child that left the rank's process group (setsid) escapes the group kill too.
+    shutdown() must still end them (they may hold a GPU)."""
+    with DistributedRunner(ChildSpawningWorker, world_size=2, init_process_group=False,
+                           device="cpu") as runner:
+        detached = runner.generate({"op": "spawn_detached"})
+        child = runner.generate({"op": "spawn_child"})
+        assert os.getsid(detached) != os.getsid(runner._group.ranks[0].pid)
+        with pytest.raises(WorkerCrashed):
+            runner.generate({"op": "signal", "ranks": [victim], "sig": int(signal.SIGKILL)})
+        others = processes_of(runner)
+        started = time.monotonic()
+    assert time.monotonic() - started < 1.0
+    assert wait_gone([detached, child, *others], timeout=1.0) == []
