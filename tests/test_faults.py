@@ -15,8 +15,8 @@ group formation     ``launch_prefix`` runs the launcher through
                     ``run_launcher_with_group_fault``, which fires the fault as the
                     rank starts to form the torch.distributed (gloo) group.  Worker
                     code is not even imported at that point, so this is the only way in.
-                    Needing torch, this row is slow: two of its cells run in
-                    ``make test``, the other eight in ``make test-slow``.
+                    Needing torch, this row is slow; its two hang cells (8 s each)
+                    run in ``make test-slow``.
 load()              ``load_kwargs={"fault": ...}``
 input unpickling    an input object whose ``__reduce__`` rebuilds through a function
                     that fires on the chosen rank only
@@ -111,15 +111,14 @@ def expected(phase: str, rank: int, means: str) -> str:
     return "timeout" if means == "hang" else "crashed"
 
 
-# Group formation needs torch in the ranks: ~2-4 s a cell on 2 cores, 8 s for a hang
-# (start_timeout has to cover the import).  Two representative cells run in `make test`,
-# the rest of the row in `make test-slow` (which CI runs too).
-FAST_GROUP_CELLS = {(1, "raise"), (0, "sigkill")}
+# Group formation needs torch in the ranks: ~1.5-4 s a cell on 2 cores, and a hang
+# cell waits out a start_timeout that covers importing it (8 s): those two cells run in
+# `make test-slow` (which CI runs too), every other cell in `make test`.
 
 
 def _marks(phase: str, rank: int, means: str) -> list:
     marks = [pytest.mark.timeout(60)]
-    if phase == "group" and (rank, means) not in FAST_GROUP_CELLS:
+    if phase == "group" and means == "hang":
         marks.append(pytest.mark.slow)
     return marks
 
