@@ -16,7 +16,9 @@ that is not a reply before it decodes anything (and an authentic reply to an old
 call would only release segments, never be taken for the current call's answer).
 Commands cannot be replayed to the ranks either: the ranks connect only to the
 runner's PUB socket, and ignore a call whose sequence number is not newer than the
-last one they ran.
+last one they ran.  (The 0700 directory keeps other users off the sockets; the
+foreigner here runs as the same user, who could do worse, ptrace for one: what the
+test proves is that the bus itself never unpickles what it cannot authenticate.)
 """
 
 from __future__ import annotations
