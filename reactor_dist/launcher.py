@@ -189,10 +189,16 @@ class RankServer:
         return 0
 
     def open_rendezvous(self) -> int:
-        """Rank 0 binds the store on port 0 and reports the port: no race for a free port."""
-        if not (self.boot["init_process_group"] and self.world_size > 1 and self.rank == 0):
+        """Rank 0 binds the store on port 0 and reports the port: no race for a free port.
+
+        Every rank imports torch here, before the handshake, so that the ranks pay
+        for the import side by side rather than one after the other."""
+        if not (self.boot["init_process_group"] and self.world_size > 1):
             return 0
         from torch.distributed import TCPStore
+
+        if self.rank != 0:
+            return 0
 
         self.store = TCPStore("127.0.0.1", 0, self.world_size, True,
                               timeout=timedelta(seconds=self.boot["start_timeout"]),
