@@ -158,9 +158,10 @@ class OnlyLoad:
 # -- fault injection (tests/test_faults.py, test_runner_death.py, test_chaos.py) ---------------
 #
 # A fault is a dict ``{"phase": ..., "rank": r, "means": ..., "stamp_dir": d}``.  It fires
-# only in the process whose RANK is ``r`` (or, for ``rank == "caller"``, only in a process
-# without RANK, i.e. the application).  Just before it fires it writes ``time.time()`` to
-# ``<stamp_dir>/<phase>-<rank>`` so that a test can measure how late the runner reported it.
+# only in the process whose RANK is ``r`` (or, for ``rank == "caller"``, only in the
+# application process whose pid is the fault's ``caller_pid``).  Just before it fires it
+# writes ``time.time()`` to ``<stamp_dir>/<phase>-<rank>`` so that a test can measure how
+# late the runner reported it.
 
 FAULT_MEANS = ("raise", "exit", "sigkill", "segv", "hang")
 
@@ -169,9 +170,10 @@ class InjectedFault(Exception):
     """What the ``raise`` means raises (pickles; one message argument)."""
 
 
-def _fault_here(rank) -> bool:
-    here = os.environ.get("RANK")
-    return here is None if rank == "caller" else here == str(rank)
+def _fault_here(fault: dict) -> bool:
+    if fault["rank"] == "caller":
+        return os.getpid() == fault.get("caller_pid")
+    return os.environ.get("RANK") == str(fault["rank"])
 
 
 def inject_fault(fault: dict) -> None:
@@ -200,7 +202,7 @@ def inject_fault(fault: dict) -> None:
 
 
 def maybe_fault(fault: dict | None, phase: str) -> None:
-    if fault and fault.get("phase") == phase and _fault_here(fault["rank"]):
+    if fault and fault.get("phase") == phase and _fault_here(fault):
         inject_fault(fault)
 
 
