@@ -95,7 +95,9 @@ class RankGroup:
         self.ipc_dir = _private_dir()
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.SNDHWM, 0)
+        # One call at a time keeps each rank's queue a few messages deep; the bound only
+        # stops a stray subscriber that never reads from growing our memory.
+        self.pub.setsockopt(zmq.SNDHWM, 1000)
         self.pub.setsockopt(zmq.LINGER, 0)
         cmd_addr = f"ipc://{self.ipc_dir}/cmd"
         self.pub.bind(cmd_addr)
@@ -208,11 +210,9 @@ class RankGroup:
     def drain(self) -> list[tuple[dict, list]]:
         """Every authentic reply waiting on the PULL socket; the rest is dropped unread."""
         messages = []
-        while True:
-            try:
-                parts = self.pull.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return messages
+        pull = self.pull
+        while pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # no zmq.Again per call
+            parts = pull.recv_multipart()
             try:
                 header, body = wire.unpack(self.secret, parts)
             except wire.ProtocolError:
@@ -221,6 +221,7 @@ class RankGroup:
                 continue
             self.bookkeep(header)
             messages.append((header, body))
+        return messages
 
     def bookkeep(self, header: dict[str, Any]) -> None:
         """Segment releases that ride on every reply, whatever call it answers."""

@@ -14,6 +14,7 @@ import collections
 import contextlib
 import fcntl
 import os
+import select
 import signal
 import struct
 import subprocess
@@ -59,7 +60,7 @@ class RankProcess:
         self.lines_seen = 0
         self.last_output = 0.0  # monotonic time of the latest line
         self._partial = b""
-        self._reading = False
+        self._out_lock = threading.Lock()
         self._out_fd = self.popen.stdout.fileno()
         self._reader = threading.Thread(target=self._pump, name=f"reactor-dist-rank{rank}-out",
                                         daemon=True)
@@ -72,23 +73,37 @@ class RankProcess:
 
     # -- output ---------------------------------------------------------------
     def _pump(self) -> None:
+        """Forward the rank's output; reads happen under a lock so that drain() can
+        take the rest of the pipe itself and know that nothing is half-processed."""
         fd = self._out_fd
+        os.set_blocking(fd, False)
+        readable = select.poll()
+        readable.register(fd, select.POLLIN | select.POLLHUP)
         while True:
-            self._reading = True
-            try:
-                data = os.read(fd, 65536)
-            except OSError:
-                data = b""
-            self._reading = False
-            if not data:
-                break
-            lines = (self._partial + data).split(b"\n")
-            self._partial = lines.pop()
-            for line in lines:
-                self._emit(line)
-        if self._partial:
-            self._emit(self._partial)
-            self._partial = b""
+            readable.poll()
+            with self._out_lock:
+                if not self._read_some():
+                    break
+        with self._out_lock:
+            if self._partial:
+                self._emit(self._partial)
+                self._partial = b""
+
+    def _read_some(self) -> bool:
+        """Read what the pipe holds now; False at end of file."""
+        try:
+            data = os.read(self._out_fd, 65536)
+        except BlockingIOError:
+            return True  # drain() took it first
+        except OSError:
+            return False
+        if not data:
+            return False
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            self._emit(line)
+        return True
 
     def _emit(self, raw: bytes) -> None:
         line = raw.decode("utf-8", "replace").rstrip("\r")
@@ -107,13 +122,11 @@ class RankProcess:
         except OSError:
             return 0
 
-    def drain(self, timeout: float = 0.5) -> None:
-        """Wait (briefly) until what the rank wrote before dying has been read."""
-        deadline = time.monotonic() + timeout
-        while self._reader.is_alive() and time.monotonic() < deadline:
-            if self._pending_bytes() == 0 and self._reading:
-                return
-            time.sleep(0.002)
+    def drain(self) -> None:
+        """Take in everything the rank wrote before it died (it is in the pipe by now)."""
+        with self._out_lock:
+            while self._pending_bytes() > 0 and self._read_some():
+                pass
 
     def last_lines(self, n: int = 20) -> list[str]:
         lines = list(self.tail)[-n:]

@@ -68,7 +68,12 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
+_SCALARS = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
 def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    if type(obj) in _SCALARS:  # the per-call fast path: no buffers, no custom pickler
+        return pickle.dumps(obj, protocol=5), []
     buffers: list[pickle.PickleBuffer] = []
     stream = io.BytesIO()
     _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(obj)
@@ -133,6 +138,8 @@ def decode(descriptors: list, frames: list, segment_base: Callable[[str], np.nda
     """Rebuild a payload; ``segment_base(name)`` gives a uint8 array over a segment."""
     if not frames:
         raise ValueError("payload has no pickle frame")
+    if not descriptors:
+        return pickle.loads(frames[0])
     views = []
     bases: dict[str, np.ndarray] = {}
     for loc, where, offset, n, ro in descriptors:
