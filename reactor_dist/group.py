@@ -37,6 +37,7 @@ import weakref
 from typing import Any
 
 import numpy as np
+import psutil
 import zmq
 
 from . import shm, transfer, wire
@@ -51,6 +52,24 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _reclaim_dead_ipc_dirs() -> None:
+    """Private directories of runners killed together with their ranks: their owner's
+    pid is in the name; a dead owner's directory is ours to remove (never a live one's)."""
+    for base in {tempfile.gettempdir(), "/tmp"}:
+        try:
+            names = os.listdir(base)
+        except OSError:
+            continue
+        for name in names:
+            parts = name.split("-")
+            if len(parts) == 4 and name.startswith("reactor-dist-") and parts[2].isdigit():
+                path = os.path.join(base, name)
+                with contextlib.suppress(OSError):
+                    if os.stat(path).st_uid == os.getuid() and \
+                            not psutil.pid_exists(int(parts[2])):
+                        shutil.rmtree(path, ignore_errors=True)
 
 
 def _private_dir() -> str:
@@ -92,6 +111,7 @@ class RankGroup:
     def start(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         shm.reclaim_dead_owners(self.shm_dir)
+        _reclaim_dead_ipc_dirs()
         self.ipc_dir = _private_dir()
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.PUB)

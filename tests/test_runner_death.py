@@ -242,7 +242,8 @@ def test_reclaim_dead_owners_removes_only_entries_of_dead_owners(apps):
 
 def test_entries_of_a_tree_killed_at_once_go_at_the_next_start(apps):
     """Ranks SIGKILLed with their runner (an OOM kill of the cgroup, say) cannot clean
-    up: the next runner's start() removes the dead runner's entries, not a live one's."""
+    up: the next runner's start() removes the dead runner's entries and ipc directory,
+    not a live one's."""
     victim, bystander = apps("idle"), apps("idle")
     victim.read_running()
     bystander.read_running()
@@ -254,11 +255,13 @@ def test_entries_of_a_tree_killed_at_once_go_at_the_next_start(apps):
     assert wait_gone(victim.info["ranks"] + victim.info["children"], timeout=2.0) == []
     victim.kill()
     assert our_entries(victim.info["prefix"]) == left  # nobody was left to remove them
-    shutil.rmtree(victim.ipc)  # not promised: start() only reclaims /dev/shm
+    assert os.path.isdir(victim.ipc)
     with DistributedRunner(ScriptedWorker, world_size=1, init_process_group=False,
                            device="cpu") as runner:
         assert runner.generate(1) == 1
+        assert os.path.isdir(bystander.ipc), "a live runner's ipc directory was removed"
     assert our_entries(victim.info["prefix"]) == []
+    assert not os.path.exists(victim.ipc), "the dead runner's ipc directory remains"
     assert our_entries(bystander.info["prefix"]), "a live runner's entries were removed"
     bystander.proc.stdin.close()
     assert bystander.proc.wait(30) == 0
