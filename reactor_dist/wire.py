@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 import msgpack
@@ -43,21 +44,25 @@ OK = "ok"                        # the method returned
 RAISED = "raised"                # the method (or decoding its input) raised
 UNDELIVERABLE = "undeliverable"  # rank 0 returned, but its result could not be sent
 
-_HEADER_TYPES: dict[str, type | tuple[type, ...]] = {
-    "k": str, "s": int, "r": int,
-}
+KINDS = COMMANDS | REPLIES
 
 
 class ProtocolError(Exception):
     """A message that is not ours: bad MAC, bad framing or a malformed header."""
 
 
+@lru_cache(maxsize=16)
+def _keyed(secret: bytes) -> Any:
+    """HMAC state after the key: copying it is cheaper than keying anew per message."""
+    return hmac.new(secret, digestmod=hashlib.sha256)
+
+
 def _mac(secret: bytes, frames: Sequence[Any]) -> bytes:
-    digest = hmac.new(secret, digestmod=hashlib.sha256)
+    digest = _keyed(secret).copy()
     for frame in frames:
-        view = memoryview(frame)
-        digest.update(view.nbytes.to_bytes(8, "little"))
-        digest.update(view)
+        size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
+        digest.update(size.to_bytes(8, "little"))
+        digest.update(frame)
     return digest.digest()
 
 
@@ -71,23 +76,21 @@ def unpack(secret: bytes, parts: Sequence[Any]) -> tuple[dict[str, Any], list[An
     """Verify and decode one message: ``(header, body frames)``, else ProtocolError."""
     if len(parts) < 1:
         raise ProtocolError("empty message")
-    first = memoryview(parts[0])
-    if first.nbytes <= MAC_SIZE:
-        raise ProtocolError(f"first frame has {first.nbytes} bytes: no room for MAC and header")
-    mac = bytes(first[:MAC_SIZE])
+    first = parts[0] if type(parts[0]) is bytes else bytes(memoryview(parts[0]))
+    if len(first) <= MAC_SIZE:
+        raise ProtocolError(f"first frame has {len(first)} bytes: no room for MAC and header")
     frames = [first[MAC_SIZE:], *parts[1:]]
-    if not hmac.compare_digest(mac, _mac(secret, frames)):
+    if not hmac.compare_digest(first[:MAC_SIZE], _mac(secret, frames)):
         raise ProtocolError("MAC mismatch: message not signed with this runner's secret")
     try:
         header = msgpack.unpackb(frames[0], raw=False, strict_map_key=True)
     except Exception as exc:  # only reachable with a valid MAC, i.e. our own bug
         raise ProtocolError(f"undecodable header: {exc}") from None
-    if not isinstance(header, dict):
+    if type(header) is not dict:
         raise ProtocolError(f"header is {type(header).__name__}, expected a map")
-    for key, kind in _HEADER_TYPES.items():
-        value = header.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise ProtocolError(f"header field {key!r} is {value!r}")
-    if header["k"] not in COMMANDS and header["k"] not in REPLIES:
-        raise ProtocolError(f"unknown message kind {header['k']!r}")
+    kind, seq, rank = header.get("k"), header.get("s"), header.get("r")
+    if type(seq) is not int or type(rank) is not int:
+        raise ProtocolError(f"header fields 's'/'r' are {seq!r}/{rank!r}, expected ints")
+    if type(kind) is not str or kind not in KINDS:
+        raise ProtocolError(f"unknown message kind {kind!r}")
     return header, frames[1:]
