@@ -96,7 +96,7 @@ def readme_snippet(rows: list[Row], *, when: str, plot: str, wall_s: float) -> s
         "",
         f"![benchmarks]({plot})",
         "",
-        f"Reproduce with `make bench` ({wall_s / 60:.0f} minutes here) or `make bench-quick` "
+        f"Reproduce with `make bench` ({wall_s:.0f} s here) or `make bench-quick` "
         "(under one); results and plots land in `benchmarks/results/`.",
         "",
     ])
