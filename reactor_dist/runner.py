@@ -18,6 +18,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Sequence
+from types import EllipsisType
 from typing import Any
 
 from . import wire
@@ -131,11 +132,12 @@ class DistributedRunner:
                 raise
             self._state[0] = READY
 
-    def generate(self, input: Any, /, *, timeout: float | None = ...) -> Any:  # type: ignore[assignment]
+    def generate(self, input: Any, /, *,
+                 timeout: float | None | EllipsisType = ...) -> Any:
         """Run ``generate(input)`` on every rank; rank 0's result, or the contract's error."""
         return self._call("generate", input, timeout)
 
-    def reset(self, *, timeout: float | None = ...) -> None:  # type: ignore[assignment]
+    def reset(self, *, timeout: float | None | EllipsisType = ...) -> None:
         """Run ``reset()`` on every rank (clear session state, keep weights)."""
         self._call("reset", None, timeout)
 
