@@ -261,9 +261,11 @@ class RankServer:
                 self.worker.reset()
                 result = None
         except SharedSlotAllocationFailed as exc:
-            # shared_empty() allocates on rank 0 alone: a full /dev/shm is a delivery
-            # failure, not a disagreement between ranks (the others never allocate).
-            reply["st"], error = wire.UNDELIVERABLE, exc
+            # shared_empty() allocates on rank 0 alone: a full /dev/shm there is a
+            # delivery failure, not a disagreement between ranks (the others never
+            # allocate). Anywhere else it is an exception like any other.
+            reply["st"] = wire.UNDELIVERABLE if self.rank == 0 else wire.RAISED
+            error = exc
             value = result = None
         except BaseException as exc:
             reply["st"], error = wire.RAISED, exc

@@ -192,11 +192,14 @@ class DistributedRunner:
 
     def _outcome(self, method: str, replies: dict[int, tuple[dict, list]]) -> Any:
         raised = {r: replies[r] for r in sorted(replies) if replies[r][0].get("st") == wire.RAISED}
-        if not raised:
+        if replies[0][0].get("st") == wire.UNDELIVERABLE:
             header, body = replies[0]
-            if header.get("st") == wire.UNDELIVERABLE:
+            if not raised:
                 # Every rank finished the step; only delivery failed: still in sync.
                 raise rebuild_exception(header["e"], body[0] or None, 0)
+            raised = {0: replies[0], **raised}  # judged with the others' exceptions
+        if not raised:
+            header, body = replies[0]
             if method != "generate":
                 return None
             try:

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from reactor_dist import DistributedWorker
+from reactor_dist import DistributedWorker, SharedSlotAllocationFailed
 
 
 class Unpicklable(Exception):
@@ -78,7 +78,8 @@ class ScriptedWorker(DistributedWorker):
             name = types.get(self.rank, types.get(str(self.rank), script.get("type", "ValueError")))
             cls = {"ValueError": ValueError, "KeyError": KeyError, "ZeroDivisionError":
                    ZeroDivisionError, "Unpicklable": Unpicklable,
-                   "NeedsTwoArgs": NeedsTwoArgs}[name]
+                   "NeedsTwoArgs": NeedsTwoArgs,
+                   "SharedSlotAllocationFailed": SharedSlotAllocationFailed}[name]
             if cls is NeedsTwoArgs:
                 raise NeedsTwoArgs("left", "right")
             raise cls(f"boom on rank {self.rank}")

@@ -13,6 +13,7 @@ from reactor_dist import (
     DistributedRunner,
     RankDesync,
     RemoteError,
+    SharedSlotAllocationFailed,
     WorkerCrashed,
     WorkerTimeout,
 )
@@ -212,3 +213,17 @@ def test_result_that_fails_to_unpickle_in_the_caller():
             runner.generate({"op": "bad_result"})
         assert runner.healthy
         assert runner.generate(4) == 4
+
+
+def test_a_shm_error_raised_by_every_rank_is_an_ordinary_same_type_error():
+    with runner_for(2) as runner:
+        with pytest.raises(SharedSlotAllocationFailed, match="boom on rank 0"):
+            runner.generate({"op": "raise", "type": "SharedSlotAllocationFailed"})
+        assert runner.healthy
+
+
+def test_a_shm_error_on_rank1_alone_is_a_desync_not_swallowed():
+    with runner_for(2) as runner:
+        with pytest.raises(RankDesync, match="rank 1 raised .*SharedSlotAllocationFailed"):
+            runner.generate({"op": "raise", "ranks": [1], "type": "SharedSlotAllocationFailed"})
+        assert not runner.healthy
