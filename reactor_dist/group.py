@@ -264,9 +264,10 @@ class RankGroup:
         """Encode and publish one call; raises (having sent nothing) when it can't."""
         header: dict[str, Any] = {"k": wire.CALL, "m": method, "d": []}
         body: list = [b""]
+        segments: list[str] = []
         if method == "generate":
             try:
-                header["d"], body, _ = transfer.encode(
+                header["d"], body, segments = transfer.encode(
                     value, self.inputs, "the input of generate()", holders=range(self.world_size))
             except shm.SharedSlotAllocationFailed:
                 raise
@@ -276,11 +277,18 @@ class RankGroup:
                     f"inputs must pickle: plain data, numpy arrays, CPU tensors, module-level "
                     f"classes"
                 ) from exc
+        released = [self.released.popleft() for _ in range(len(self.released))]
+        header.update(s=self.seq + 1, rel=released, iret=self.inputs_retired)
+        try:
+            self.publish(header, body)
+        except BaseException:  # Ctrl-C, a closed context: the ranks never saw it
+            for name in segments:
+                for rank in range(self.world_size):
+                    self.inputs_retired.extend(self.inputs.let_go(name, rank))
+            self.released.extendleft(reversed(released))
+            raise
         self.seq += 1
-        header["s"] = self.seq
-        header["rel"] = [self.released.popleft() for _ in range(len(self.released))]
-        header["iret"], self.inputs_retired = self.inputs_retired, []
-        self.publish(header, body)
+        self.inputs_retired = []
         return self.seq
 
     def result_base(self, name: str) -> np.ndarray:
