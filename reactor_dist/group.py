@@ -101,6 +101,7 @@ class RankGroup:
         self.released: collections.deque[str] = collections.deque()  # result segments let go
         self.inputs_retired: list[str] = []
         self.ctx: zmq.Context | None = None
+        self.pub_open = False  # a multipart command is half-sent (interrupted)
         self.ipc_dir: str | None = None
         self._spec = dict(worker=worker, load_kwargs=pickle.dumps(load_kwargs, protocol=5),
                           init_process_group=init_process_group, device=device,
@@ -188,7 +189,15 @@ class RankGroup:
     # -- the wire ---------------------------------------------------------------------------
     def publish(self, header: dict[str, Any], body: list | tuple = ()) -> None:
         header["r"] = -1  # commands are for every rank
-        self.pub.send_multipart(wire.pack(self.secret, header, body))
+        frames = wire.pack(self.secret, header, body)
+        if self.pub_open:
+            # A Ctrl-C cut the last command short: end that message with an empty frame
+            # (the ranks reject it: its MAC fails) so it cannot swallow this one.
+            self.pub.send(b"")
+            self.pub_open = False
+        self.pub_open = True
+        self.pub.send_multipart(frames)
+        self.pub_open = False
 
     def collect(self, kind: str, seq: int, timeout: float | None, what: str,
                 tick=None, first_error: bool = False,
@@ -264,10 +273,9 @@ class RankGroup:
         """Encode and publish one call; raises (having sent nothing) when it can't."""
         header: dict[str, Any] = {"k": wire.CALL, "m": method, "d": []}
         body: list = [b""]
-        segments: list[str] = []
         if method == "generate":
             try:
-                header["d"], body, segments = transfer.encode(
+                header["d"], body, _ = transfer.encode(
                     value, self.inputs, "the input of generate()", holders=range(self.world_size))
             except shm.SharedSlotAllocationFailed:
                 raise
@@ -277,18 +285,15 @@ class RankGroup:
                     f"inputs must pickle: plain data, numpy arrays, CPU tensors, module-level "
                     f"classes"
                 ) from exc
-        released = [self.released.popleft() for _ in range(len(self.released))]
-        header.update(s=self.seq + 1, rel=released, iret=self.inputs_retired)
-        try:
-            self.publish(header, body)
-        except BaseException:  # Ctrl-C, a closed context: the ranks never saw it
-            for name in segments:
-                for rank in range(self.world_size):
-                    self.inputs_retired.extend(self.inputs.let_go(name, rank))
-            self.released.extendleft(reversed(released))
-            raise
+        # From here on the command may have reached the ranks, even if publish() is
+        # interrupted: the sequence number, the segments and the releases count as sent
+        # (an interrupted call's segments stay held until shutdown rather than risk
+        # handing out memory a rank may still read).
         self.seq += 1
-        self.inputs_retired = []
+        header["s"] = self.seq
+        header["rel"] = [self.released.popleft() for _ in range(len(self.released))]
+        header["iret"], self.inputs_retired = self.inputs_retired, []
+        self.publish(header, body)
         return self.seq
 
     def result_base(self, name: str) -> np.ndarray:

@@ -177,3 +177,17 @@ def test_torchrun_style_model_forms_its_own_group_from_the_environment():
     with DistributedRunner(TorchrunStyleWorker, world_size=2, init_process_group=False,
                            device="cpu", start_timeout=60) as runner:
         assert runner.generate(1.0) == 3.0
+
+
+def test_a_command_cut_short_by_ctrl_c_cannot_swallow_the_next():
+    """A KeyboardInterrupt between the frames of a published command leaves a half
+    message on the PUB socket; the next publish ends it first (the ranks reject it)."""
+    import zmq
+
+    with fast_runner(2, call_timeout=5) as runner:
+        assert runner.generate("before") == "before"
+        group = runner._group
+        group.pub.send(b"half of an interrupted command", zmq.SNDMORE)
+        group.pub_open = True  # what publish() leaves behind when interrupted mid-send
+        assert runner.generate("after") == "after"
+        assert runner.healthy
