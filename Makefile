@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv test test-slow demo bench bench-quick lint clean
+.PHONY: venv test test-slow demo bench bench-quick gpu-check lint clean
 
 venv: $(VENV)/.installed
 
@@ -30,6 +30,10 @@ bench: venv
 
 bench-quick: venv
 	$(PY) -m benchmarks.run --quick
+
+# On a machine with CUDA: the GPU-marked tests and frame timings on one GPU.
+gpu-check: venv
+	$(PY) -m benchmarks.gpu_check
 
 lint: venv
 	$(VENV)/bin/ruff check reactor_dist workers tests benchmarks examples
