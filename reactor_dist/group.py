@@ -194,7 +194,6 @@ class RankGroup:
             # A Ctrl-C cut the last command short: end that message with an empty frame
             # (the ranks reject it: its MAC fails) so it cannot swallow this one.
             self.pub.send(b"")
-            self.pub_open = False
         self.pub_open = True
         self.pub.send_multipart(frames)
         self.pub_open = False
@@ -316,16 +315,15 @@ class RankGroup:
 
     def timed_out(self, silent: list[int], timeout: float | None, what: str,
                   replies: dict[int, tuple[dict, list]]) -> WorkerTimeout:
-
-        seen = {r: self.ranks[r].lines_seen for r in silent}
-        for r in silent:  # faulthandler in the rank prints every thread's stack
+        procs = [self.ranks[r] for r in silent]
+        seen = {p.rank: p.lines_seen for p in procs}
+        for p in procs:  # faulthandler in the rank prints every thread's stack
             with contextlib.suppress(OSError):
-                os.kill(self.ranks[r].launcher_pid, signal.SIGUSR1)
+                os.kill(p.launcher_pid, signal.SIGUSR1)
         # Wait for the dumps: until each silent rank printed and then fell quiet.
         deadline = time.monotonic() + STACK_DUMP_WAIT
         while time.monotonic() < deadline:
             time.sleep(0.01)
-            procs = [self.ranks[r] for r in silent]
             if all(p.lines_seen > seen[p.rank] and time.monotonic() - p.last_output > 0.03
                    for p in procs):
                 break

@@ -199,7 +199,6 @@ class RankServer:
 
         if self.rank != 0:
             return 0
-
         self.store = TCPStore("127.0.0.1", 0, self.world_size, True,
                               timeout=timedelta(seconds=self.boot["start_timeout"]),
                               wait_for_workers=False)

@@ -9,6 +9,7 @@ call.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import threading
@@ -148,15 +149,25 @@ def random_message(rng: random.Random) -> list[bytes]:
     return [rng.randbytes(32) + rng.randbytes(rng.randrange(300))]
 
 
+@contextlib.contextmanager
+def foreign_push(runner):
+    """A stranger's PUSH socket on the runner's reply socket."""
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(f"ipc://{runner._group.ipc_dir}/reply")
+    try:
+        yield push
+    finally:
+        push.close()
+        ctx.term()
+
+
 def test_a_live_waiting_loop_survives_a_burst_during_a_call():
     rng = random.Random(5)
     with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
                            device="cpu", call_timeout=10) as runner:
-        ctx = zmq.Context()
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(f"ipc://{runner._group.ipc_dir}/reply")
-        try:
+        with foreign_push(runner) as push:
             value = np.arange(1 << 18, dtype=np.int64)
             for _ in range(3):
                 out: dict = {}
@@ -177,35 +188,25 @@ def test_a_live_waiting_loop_survives_a_burst_during_a_call():
                 for _ in range(100):
                     push.send_multipart(random_message(rng))
                 assert runner.generate(i) == i
-        finally:
-            push.close()
-            ctx.term()
         assert runner.healthy
 
 
 def test_a_live_waiting_loop_with_hypothesis_messages():
     with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
                            device="cpu", call_timeout=10) as runner:
-        ctx = zmq.Context()
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(f"ipc://{runner._group.ipc_dir}/reply")
         calls = iter(range(10 ** 6))
+        with foreign_push(runner) as push:
 
-        @settings(max_examples=100, deadline=5000, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
-        @given(st.lists(st.lists(st.binary(max_size=200), min_size=1, max_size=5)
-                        | headers.map(lambda h: [os.urandom(32) + msgpack.packb(h)]),
-                        max_size=20))
-        def burst(messages):
-            for m in messages:
-                push.send_multipart(m)
-            n = next(calls)
-            assert runner.generate(n) == n
+            @settings(max_examples=100, deadline=5000, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            @given(st.lists(st.lists(st.binary(max_size=200), min_size=1, max_size=5)
+                            | headers.map(lambda h: [os.urandom(32) + msgpack.packb(h)]),
+                            max_size=20))
+            def burst(messages):
+                for m in messages:
+                    push.send_multipart(m)
+                n = next(calls)
+                assert runner.generate(n) == n
 
-        try:
             burst()
-        finally:
-            push.close()
-            ctx.term()
         assert runner.healthy
