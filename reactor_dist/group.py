@@ -27,6 +27,7 @@ import collections
 import contextlib
 import os
 import pickle
+import select
 import shutil
 import signal
 import socket
@@ -42,10 +43,11 @@ import zmq
 
 from . import shm, transfer, wire
 from .errors import WorkerCrashed, WorkerTimeout, rebuild_exception
-from .process import RankProcess, end_ranks, wait_all_exit
+from .process import DeathWatch, RankProcess, end_ranks, wait_all_exit
 
-PING_INTERVAL = 0.02
+SLICE = 0.02  # between handshake pings; between death checks when no death watch runs
 STACK_DUMP_WAIT = 0.5
+RECEIVED = wire.REPLIES | {wire.DEATH}
 
 
 def _free_port() -> int:
@@ -102,6 +104,8 @@ class RankGroup:
         self.inputs_retired: list[str] = []
         self.ctx: zmq.Context | None = None
         self.pub_open = False  # a multipart command is half-sent (interrupted)
+        self.pull_timeout = -1  # the PULL socket's RCVTIMEO, in ms
+        self.death_watch: DeathWatch | None = None
         self.ipc_dir: str | None = None
         self._spec = dict(worker=worker, load_kwargs=pickle.dumps(load_kwargs, protocol=5),
                           init_process_group=init_process_group, device=device,
@@ -126,9 +130,12 @@ class RankGroup:
         self.pull.setsockopt(zmq.LINGER, 0)
         reply_addr = f"ipc://{self.ipc_dir}/reply"
         self.pull.bind(reply_addr)
-        self.poller = zmq.Poller()
-        self.poller.register(self.pull, zmq.POLLIN)
+        # The death watch's notices arrive on the PULL socket too, so a call's wait is
+        # one blocking receive.
+        self.death_addr = f"inproc://reactor-dist-deaths-{id(self):x}"
+        self.pull.bind(self.death_addr)
         self.death_fds: dict[int, int] = {}
+        self.death_poll = select.poll()  # the same pidfds, for a zero-wait check
         self.launcher_fds: list[int] = []
         # For models that form their own group (init_process_group=False): one port for
         # all ranks. With our group, rank 0's store binds port 0 and INIT carries its port.
@@ -144,6 +151,7 @@ class RankGroup:
         for rank, (header, _) in pongs.items():
             self._watch_launcher(rank, header.get("pid"))
         port = pongs[0][0].get("port") or 0
+        self.death_watch = DeathWatch(self.death_fds, self._tell_death)
         self.publish({"k": wire.INIT, "s": 0, "port": port})
         ready = self.collect(wire.READY, 0, deadline - time.monotonic(), "start()",
                              first_error=True, stated_timeout=timeout)
@@ -171,8 +179,7 @@ class RankGroup:
         proc = RankProcess(rank, cmd, env, os.getcwd(), len(data).to_bytes(8, "little") + data)
         self.ranks.append(proc)
         if proc.pidfd is not None:
-            self.death_fds[proc.pidfd] = rank
-            self.poller.register(proc.pidfd, zmq.POLLIN)
+            self._watch_fd(proc.pidfd, rank)
 
     def _watch_launcher(self, rank: int, pid: Any) -> None:
         """With a launch_prefix the launcher may be a grandchild: watch it as well."""
@@ -183,8 +190,22 @@ class RankGroup:
         with contextlib.suppress(OSError):
             fd = os.pidfd_open(pid)
             self.launcher_fds.append(fd)
-            self.death_fds[fd] = rank
-            self.poller.register(fd, zmq.POLLIN)
+            self._watch_fd(fd, rank)
+
+    def _watch_fd(self, fd: int, rank: int) -> None:
+        self.death_fds[fd] = rank
+        self.death_poll.register(fd, select.POLLIN)
+
+    def _tell_death(self, ranks: list[int]) -> None:
+        """In the death-watch thread: wake the caller's wait with a notice."""
+        if self.ctx is None:
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            push = self.ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 1000)
+            push.connect(self.death_addr)
+            wire.send(push, wire.pack(self.secret, {"k": wire.DEATH, "s": 0, "r": ranks[0]}))
+            push.close()
 
     # -- the wire ---------------------------------------------------------------------------
     def publish(self, header: dict[str, Any], body: list | tuple = ()) -> None:
@@ -195,7 +216,7 @@ class RankGroup:
             # (the ranks reject it: its MAC fails) so it cannot swallow this one.
             self.pub.send(b"")
         self.pub_open = True
-        self.pub.send_multipart(frames)
+        wire.send(self.pub, frames)
         self.pub_open = False
 
     def collect(self, kind: str, seq: int, timeout: float | None, what: str,
@@ -203,53 +224,62 @@ class RankGroup:
                 stated_timeout: float | None = None) -> dict[int, tuple[dict, list]]:
         """Wait for ``kind``/``seq`` from every rank; WorkerCrashed on a death,
         WorkerTimeout at the deadline.  With ``first_error`` a RAISED reply ends
-        the wait at once (start-up: a failed load() makes the rest pointless)."""
+        the wait at once (start-up: a failed load() makes the rest pointless).
+
+        This loop is most of what an empty call costs the caller, so it stays lean:
+        one blocking receive per message, which the death watch's notice also wakes.
+        Without the watch (the handshake, or a rank without a pidfd) it waits in
+        short slices and looks for deaths between them."""
         replies: dict[int, tuple[dict, list]] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
         watch_by_timer = len(self.death_fds) < len(self.ranks)
+        sliced = tick is not None or watch_by_timer or self.death_watch is None
         while len(replies) < self.world_size:
             if tick is not None:
                 tick()
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if tick is not None:
-                wait = PING_INTERVAL if wait is None else min(wait, PING_INTERVAL)
-            if watch_by_timer:
-                wait = 0.05 if wait is None else min(wait, 0.05)
-            events = dict(self.poller.poll(None if wait is None else int(wait * 1000) + 1))
-            dead = sorted({self.death_fds[fd] for fd in events if fd in self.death_fds})
-            if watch_by_timer:
-                dead = sorted(set(dead) | set(self.any_dead()))
-            if dead:
-                raise self.crashed(dead, what)
-            if self.pull in events:
-                for header, body in self.drain():
-                    if header["k"] == kind and header["s"] == seq and header["r"] not in replies:
-                        replies[header["r"]] = (header, body)
-                        if first_error and header.get("st") == wire.RAISED:
-                            return {header["r"]: (header, body)}
-                    elif header["k"] == wire.REPLY and header["s"] != seq:
-                        self.discard_stale(header)
-            if deadline is not None and time.monotonic() >= deadline and \
-                    len(replies) < self.world_size:
+            if sliced:
+                dead = self.any_dead() if watch_by_timer else self.idle_deaths()
+                if dead:
+                    raise self.crashed(dead, what)
+            message = self.receive(self._wait_ms(deadline, sliced))
+            if message is not None:
+                header, body = message
+                if header["k"] == kind and header["s"] == seq and header["r"] not in replies:
+                    replies[header["r"]] = message
+                    if first_error and header.get("st") == wire.RAISED:
+                        return {header["r"]: message}
+                elif header["k"] == wire.DEATH:
+                    raise self.crashed(self.idle_deaths() or [header["r"]], what)
+                elif header["k"] == wire.REPLY and header["s"] != seq:
+                    self.discard_stale(header)
+            if deadline is not None and len(replies) < self.world_size and \
+                    time.monotonic() >= deadline:
                 silent = [r for r in range(self.world_size) if r not in replies]
                 raise self.timed_out(silent, stated_timeout or timeout, what, replies)
         return replies
 
-    def drain(self) -> list[tuple[dict, list]]:
-        """Every authentic reply waiting on the PULL socket; the rest is dropped unread."""
-        messages = []
-        pull = self.pull
-        while pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # no zmq.Again per call
-            parts = pull.recv_multipart()
-            try:
-                header, body = wire.unpack(self.secret, parts)
-            except wire.ProtocolError:
-                continue
-            if header["k"] not in wire.REPLIES or not 0 <= header["r"] < self.world_size:
-                continue
-            self.bookkeep(header)
-            messages.append((header, body))
-        return messages
+    @staticmethod
+    def _wait_ms(deadline: float | None, sliced: bool) -> int:
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if sliced:
+            wait = SLICE if wait is None else min(wait, SLICE)
+        return -1 if wait is None else int(wait * 1000) + 1
+
+    def receive(self, wait_ms: int) -> tuple[dict, list] | None:
+        """The next message if it is an authentic reply or death notice (its releases
+        applied); None when ``wait_ms`` passed first or the message is not ours (dropped
+        unread)."""
+        if wait_ms != self.pull_timeout:
+            self.pull.setsockopt(zmq.RCVTIMEO, wait_ms)
+            self.pull_timeout = wait_ms
+        try:
+            header, body = wire.unpack(self.secret, wire.recv(self.pull))
+        except (zmq.Again, wire.ProtocolError):
+            return None
+        if header["k"] not in RECEIVED or not 0 <= header["r"] < self.world_size:
+            return None
+        self.bookkeep(header)
+        return header, body
 
     def bookkeep(self, header: dict[str, Any]) -> None:
         """Segment releases that ride on every reply, whatever call it answers."""
@@ -270,11 +300,11 @@ class RankGroup:
     # -- calls ------------------------------------------------------------------------------
     def send_call(self, method: str, value: Any = None) -> int:
         """Encode and publish one call; raises (having sent nothing) when it can't."""
-        header: dict[str, Any] = {"k": wire.CALL, "m": method, "d": []}
+        header: dict[str, Any] = {"k": wire.CALL, "m": method}
         body: list = [b""]
         if method == "generate":
             try:
-                header["d"], body, _ = transfer.encode(
+                descriptors, body, _ = transfer.encode(
                     value, self.inputs, "the input of generate()", holders=range(self.world_size))
             except shm.SharedSlotAllocationFailed:
                 raise
@@ -284,14 +314,18 @@ class RankGroup:
                     f"inputs must pickle: plain data, numpy arrays, CPU tensors, module-level "
                     f"classes"
                 ) from exc
+            if descriptors:
+                header["d"] = descriptors
         # From here on the command may have reached the ranks, even if publish() is
         # interrupted: the sequence number, the segments and the releases count as sent
         # (an interrupted call's segments stay held until shutdown rather than risk
         # handing out memory a rank may still read).
         self.seq += 1
         header["s"] = self.seq
-        header["rel"] = [self.released.popleft() for _ in range(len(self.released))]
-        header["iret"], self.inputs_retired = self.inputs_retired, []
+        if self.released:
+            header["rel"] = [self.released.popleft() for _ in range(len(self.released))]
+        if self.inputs_retired:
+            header["iret"], self.inputs_retired = self.inputs_retired, []
         self.publish(header, body)
         return self.seq
 
@@ -341,6 +375,14 @@ class RankGroup:
     def any_dead(self) -> list[int]:
         return [r.rank for r in self.ranks if not r.alive()]
 
+    def idle_deaths(self) -> list[int]:
+        """The ranks that have died: one zero-wait poll of their pidfds (a waitpid per
+        rank where a pidfd is missing)."""
+        if len(self.death_fds) < len(self.ranks):
+            return self.any_dead()
+        fired = self.death_poll.poll(0)
+        return sorted({self.death_fds[fd] for fd, _ in fired}) if fired else []
+
     # -- end --------------------------------------------------------------------------------
     def close(self, graceful: bool) -> None:
         """End every process and remove every file; safe to call in any state, twice."""
@@ -350,11 +392,15 @@ class RankGroup:
             with contextlib.suppress(zmq.ZMQError):
                 self.publish({"k": wire.SHUTDOWN, "s": self.seq + 1})
             wait_all_exit(self.ranks, self.shutdown_grace)
+        if self.death_watch is not None:
+            self.death_watch.stop()  # before end_ranks closes the pidfds it watches
+            self.death_watch = None
         end_ranks(self.ranks)
         self.ranks = []
         for fd in getattr(self, "launcher_fds", ()):
             os.close(fd)  # the ranks' own pidfds were closed by end_ranks
         self.launcher_fds, self.death_fds = [], {}
+        self.death_poll = select.poll()
         if self.ctx is not None:
             self.pub.close(linger=0)
             self.pull.close(linger=0)

@@ -147,7 +147,7 @@ class RankServer:
 
     def send(self, header: dict[str, Any], body: list | tuple = ()) -> None:
         header["r"] = self.rank
-        self.push.send_multipart(wire.pack(self.secret, header, body))
+        wire.send(self.push, wire.pack(self.secret, header, body))
 
     def on_runner_death(self) -> None:
         shm.remove_prefix(self.shm_dir, self.boot["shm_prefix"])
@@ -169,7 +169,7 @@ class RankServer:
         port = self.open_rendezvous()
         while True:
             try:
-                header, body = wire.unpack(self.secret, self.sub.recv_multipart())
+                header, body = wire.unpack(self.secret, wire.recv(self.sub))
             except wire.ProtocolError as exc:
                 self.rejected += 1
                 if self.rejected <= 3:  # say it, but never flood the log
@@ -251,14 +251,14 @@ class RankServer:
         payload: list = []
         error: BaseException | None = None
         value = result = None
+        generate = header["m"] == "generate"
         try:
-            if header["m"] == "generate":
-                value = transfer.decode(header["d"], body, self.input_base)
+            if generate:
+                value = transfer.decode(header.get("d"), body, self.input_base)
                 result = self.worker.generate(value)
                 del value
             else:
                 self.worker.reset()
-                result = None
         except SharedSlotAllocationFailed as exc:
             # shared_empty() allocates on rank 0 alone: a full /dev/shm there is a
             # delivery failure, not a disagreement between ranks (the others never
@@ -269,11 +269,13 @@ class RankServer:
         except BaseException as exc:
             reply["st"], error = wire.RAISED, exc
             value = result = None
-        if error is None and self.rank == 0 and header["m"] == "generate":
+        if error is None and generate and self.rank == 0:
             try:
-                reply["d"], payload, _ = transfer.encode(
+                descriptors, payload, _ = transfer.encode(
                     result, self.results, "the result of generate() on rank 0",
-                    holders=[RESULT_HOLDER], reuse_segments=True)
+                    holders=(RESULT_HOLDER,), reuse_segments=True)
+                if descriptors:
+                    reply["d"] = descriptors
             except BaseException as exc:
                 reply["st"], error = wire.UNDELIVERABLE, exc
         del result
@@ -282,10 +284,13 @@ class RankServer:
             payload = [pickle_exception(error) or b""]
             error = None
         self.settle()
-        reply["irel"], self.inputs_released = self.inputs_released, []
-        reply["ret"], self.retired = self.retired, []
+        if self.inputs_released:
+            reply["irel"], self.inputs_released = self.inputs_released, []
+        if self.retired:
+            reply["ret"], self.retired = self.retired, []
         self.send(reply, payload)
-        self.check_written_views()
+        if self.unchecked:
+            self.check_written_views()
 
     def check_written_views(self) -> None:
         """Drop mappings this rank wrote to; runs after the reply, off the caller's clock."""
@@ -297,8 +302,9 @@ class RankServer:
 
     def settle(self) -> None:
         """Apply what finalizers queued: segments let go by the caller or the worker."""
-        while self.dropped:
-            name, holder = self.dropped.popleft()
+        dropped = self.dropped
+        while dropped:
+            name, holder = dropped.popleft()
             if holder == "input":
                 self.inputs_released.append(name)
                 self.unchecked.add(name)

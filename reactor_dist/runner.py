@@ -163,7 +163,7 @@ class DistributedRunner:
         timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
         with self._lock:
             self._check_usable()
-            dead = self._group.any_dead()
+            dead = self._group.idle_deaths()
             if dead:
                 raise self._break(self._group.crashed(dead, "an idle moment between calls"))
             seq = self._group.send_call(method, value)  # raises before sending, runner healthy

@@ -92,8 +92,10 @@ def encode(obj: Any, pool: SlotPool, what: str, holders: Iterable,
     Raises whatever pickling raises, or SharedSlotAllocationFailed — in both cases
     before anything was sent.  ``holders`` are who must let go of a new segment.
     """
-    holders = list(holders)
     stream, buffers = dumps(obj)
+    if not buffers:
+        return [], [stream], []
+    holders = list(holders)
     frames: list[Any] = [stream]
     descriptors: list[list | None] = []
     copies: list[tuple[int, memoryview]] = []
@@ -134,7 +136,8 @@ def encode(obj: Any, pool: SlotPool, what: str, holders: Iterable,
     return descriptors, frames, used
 
 
-def decode(descriptors: list, frames: list, segment_base: Callable[[str], np.ndarray]) -> Any:
+def decode(descriptors: list | None, frames: list,
+           segment_base: Callable[[str], np.ndarray]) -> Any:
     """Rebuild a payload; ``segment_base(name)`` gives a uint8 array over a segment."""
     if not frames:
         raise ValueError("payload has no pickle frame")

@@ -8,7 +8,7 @@ Why a legit-looking *reply* cannot be replayed or forged: replies travel from ea
 rank's PUSH socket to the runner's PULL socket, point to point.  A stranger can
 connect to the PULL socket and send, but cannot receive what the ranks send (a PULL
 socket does not fan out; only the runner binds it), so it never holds an authentic
-reply to replay, and producing one means computing HMAC-SHA256 under the
+reply to replay, and producing one means computing keyed BLAKE2b under the
 per-runner secret, which it does not have.  What it *can* capture is a command, by
 subscribing to the PUB socket like a rank does; replayed to the runner, that
 message authenticates, but it is a command: the runner's loop drops every kind
@@ -34,6 +34,7 @@ import textwrap
 import threading
 import time
 
+import msgpack
 import numpy as np
 import pytest
 from sample_workers import ScriptedWorker
@@ -44,7 +45,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
 
 FOREIGNER = textwrap.dedent("""
-    import hashlib, hmac, os, pickle, random, sys, time
+    import hashlib, os, pickle, random, sys, time
     import msgpack, zmq
 
     ipc_dir, evil_path = sys.argv[1], sys.argv[2]
@@ -76,8 +77,8 @@ FOREIGNER = textwrap.dedent("""
         head = msgpack.packb(header, use_bin_type=True)
         if key is None:
             mac = os.urandom(32)
-        else:
-            digest = hmac.new(key, digestmod=hashlib.sha256)
+        else:  # the runner's own MAC construction, under a guessed key
+            digest = hashlib.blake2b(digest_size=32, key=key, person=b"reactor-dist/n")
             for frame in [head, *body]:
                 digest.update(len(frame).to_bytes(8, "little"))
                 digest.update(frame)
@@ -255,20 +256,24 @@ def test_shm_entries_are_0600_and_the_ipc_directory_0700():
         del held
 
 
+@pytest.mark.parametrize("stream", [b"stream", b"s" * (wire.EMBED_LIMIT + 1)],
+                         ids=["stream_in_header", "stream_in_own_frame"])
 @pytest.mark.parametrize("tamper", ["flip_mac", "flip_header", "flip_body", "drop_body",
                                     "add_frame", "swap_key"])
-def test_an_authentic_message_altered_in_any_way_is_rejected(tamper):
+def test_an_authentic_message_altered_in_any_way_is_rejected(tamper, stream):
     secret = os.urandom(wire.SECRET_SIZE)
     parts = wire.pack(secret, {"k": wire.REPLY, "s": 7, "r": 0, "st": wire.OK, "d": []},
-                      [b"stream", b"buffer"])
-    assert wire.unpack(secret, parts)[0]["s"] == 7
+                      [stream, b"buffer"])
+    header, body = wire.unpack(secret, parts)
+    assert header["s"] == 7 and body == [stream, b"buffer"]
+    assert len(parts) == (2 if len(stream) <= wire.EMBED_LIMIT else 3)
     parts = [bytearray(p) for p in parts]
     if tamper == "flip_mac":
         parts[0][3] ^= 1
     elif tamper == "flip_header":
         parts[0][-1] ^= 1
     elif tamper == "flip_body":
-        parts[2][0] ^= 1
+        parts[-1][0] ^= 1
     elif tamper == "drop_body":
         parts.pop()
     elif tamper == "add_frame":
@@ -277,3 +282,20 @@ def test_an_authentic_message_altered_in_any_way_is_rejected(tamper):
         secret = os.urandom(wire.SECRET_SIZE)
     with pytest.raises(wire.ProtocolError, match="MAC"):
         wire.unpack(secret, [bytes(p) for p in parts])
+
+
+def test_a_one_frame_message_and_its_split_form_have_different_macs():
+    """The MAC of a lone header frame and of length-prefixed frames are personalized
+    differently, so no frame split can turn one authentic message into another."""
+    secret = os.urandom(wire.SECRET_SIZE)
+    (frame,) = wire.pack(secret, {"k": wire.REPLY, "s": 7, "r": 0}, [b"tiny"])
+    head = frame[wire.MAC_SIZE:]
+    assert wire._mac(secret, [head]) != wire._mac(secret, [head[:5], head[5:]])
+    assert wire._mac(secret, [head]) != wire._mac(secret, [head, b""])
+
+
+def test_an_embedded_body_that_is_not_bytes_is_rejected():
+    secret = os.urandom(wire.SECRET_SIZE)
+    head = msgpack.packb({"k": wire.REPLY, "s": 7, "r": 0, "p": "text"}, use_bin_type=True)
+    with pytest.raises(wire.ProtocolError, match="embedded body frame is str"):
+        wire.unpack(secret, [wire._mac(secret, [head]) + head])
