@@ -46,6 +46,10 @@ from .errors import WorkerCrashed, WorkerTimeout, rebuild_exception
 from .process import DeathWatch, RankProcess, end_ranks, wait_all_exit
 
 SLICE = 0.02  # between handshake pings; between death checks when no death watch runs
+# A wait may end this much before or after its deadline: a call's second receive then
+# keeps the first one's RCVTIMEO instead of setting it anew.
+TIMEOUT_SLACK_MS = 5
+FOREVER_MS = 1 << 62
 STACK_DUMP_WAIT = 0.5
 RECEIVED = wire.REPLIES | {wire.DEATH}
 
@@ -269,7 +273,9 @@ class RankGroup:
         """The next message if it is an authentic reply or death notice (its releases
         applied); None when ``wait_ms`` passed first or the message is not ours (dropped
         unread)."""
-        if wait_ms != self.pull_timeout:
+        want = wait_ms if wait_ms >= 0 else FOREVER_MS
+        have = self.pull_timeout if self.pull_timeout >= 0 else FOREVER_MS
+        if abs(want - have) > TIMEOUT_SLACK_MS:  # most calls keep the last setting
             self.pull.setsockopt(zmq.RCVTIMEO, wait_ms)
             self.pull_timeout = wait_ms
         try:

@@ -185,12 +185,25 @@ class DistributedRunner:
                 f"this DistributedRunner is unusable{why}. It never restarts ranks; build and "
                 f"start a new one") from self._failure
 
+    def _result(self, method: str, header: dict, body: list) -> Any:
+        if method != "generate":
+            return None
+        try:
+            return self._group.decode_result(header, body)
+        except Exception as exc:
+            if hasattr(exc, "add_note"):
+                exc.add_note("(while unpickling rank 0's result in the caller; the runner "
+                             "stays healthy)")
+            raise
+
     def _break(self, exc: BaseException) -> BaseException:
         self._failure = exc
         self._state[0] = UNUSABLE
         return exc
 
     def _outcome(self, method: str, replies: dict[int, tuple[dict, list]]) -> Any:
+        if [h.get("st") for h, _ in replies.values()].count(wire.OK) == self._world_size:
+            return self._result(method, *replies[0])  # every rank returned: the common case
         raised = {r: replies[r] for r in sorted(replies) if replies[r][0].get("st") == wire.RAISED}
         if replies[0][0].get("st") == wire.UNDELIVERABLE:
             header, body = replies[0]
@@ -199,16 +212,7 @@ class DistributedRunner:
                 raise rebuild_exception(header["e"], body[0] or None, 0)
             raised = {0: replies[0], **raised}  # judged with the others' exceptions
         if not raised:
-            header, body = replies[0]
-            if method != "generate":
-                return None
-            try:
-                return self._group.decode_result(header, body)
-            except Exception as exc:
-                if hasattr(exc, "add_note"):
-                    exc.add_note("(while unpickling rank 0's result in the caller; the runner "
-                                 "stays healthy)")
-                raise
+            return self._result(method, *replies[0])
         errors = {r: rebuild_exception(h["e"], b[0] or None, r) for r, (h, b) in raised.items()}
         if len(raised) == self._world_size:
             types = {r: h["e"]["type"] for r, (h, _) in raised.items()}
