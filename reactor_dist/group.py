@@ -6,12 +6,13 @@ Data flow of one ``generate(x)``::
     ------------------------------------------     ---------------------------------
     encode x: pickle-5 stream + buffers;
       big buffers -> one input segment (1 copy)
-    PUB  [mac|hdr(seq, descriptors)|stream] -----> SUB: verify MAC, map input segment
+    PUB  [mac|hdr(seq, descriptors, stream)] ----> SUB: verify MAC, map input segment
                                                     copy-on-write, unpickle, generate()
-    poll(PULL, pidfd of every rank) <------------- PUSH [mac|hdr(seq, status)|...]
+    recv(PULL) <---------------------------------- PUSH [mac|hdr(seq, status)|...]
       reply of another seq: bookkeeping only        rank 0 alone adds its result: big
-      pidfd readable: WorkerCrashed at once           buffers copied into a warm result
-      deadline: WorkerTimeout (+ stacks)              segment (or none: shared_empty)
+      death notice (DeathWatch thread on the          buffers copied into a warm result
+        pidfds): WorkerCrashed at once                segment (or none: shared_empty)
+      deadline (RCVTIMEO): WorkerTimeout (+ stacks)
     decode rank 0's result: arrays view the
       result segment; dropping them releases it
       (told to rank 0 with the next command)

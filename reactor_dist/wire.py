@@ -144,9 +144,9 @@ def unpack(secret: bytes, parts: Sequence[Any]) -> tuple[dict[str, Any], list[An
 def send(sock: zmq.Socket, frames: Sequence[Any]) -> None:
     """Send one multipart message frame by frame: pyzmq's ``send_multipart`` costs
     microseconds of Python per message on the per-call path."""
-    last = len(frames) - 1
-    for i, frame in enumerate(frames):
-        sock.send(frame, _SNDMORE if i < last else 0)
+    for frame in frames[:-1]:
+        sock.send(frame, _SNDMORE)
+    sock.send(frames[-1])
 
 
 def recv(sock: zmq.Socket) -> list[bytes]:

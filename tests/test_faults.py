@@ -474,6 +474,81 @@ def test_ctrl_c_during_start_leaves_nothing():
     runner.shutdown()
 
 
+TERMINAL_APP = textwrap.dedent("""
+    import signal, sys, time
+    from reactor_dist import DistributedRunner, DistributedWorker
+
+    class CountsSigint(DistributedWorker):
+        def load(self):
+            self.sigints = 0
+            signal.signal(signal.SIGINT, self.count)
+
+        def count(self, *_):
+            self.sigints += 1
+
+        def generate(self, x):
+            if x == "slow":
+                time.sleep(1.0)
+            if self.sigints:
+                raise RuntimeError(f"rank {self.rank} got SIGINT")
+            return x
+
+    if __name__ == "__main__":
+        with DistributedRunner(CountsSigint, world_size=2, init_process_group=False,
+                               device="cpu") as runner:
+            print("calling", flush=True)
+            try:
+                runner.generate("slow")
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+            print("next", runner.generate("after"), flush=True)
+""")
+
+
+def test_a_terminal_ctrl_c_reaches_the_caller_but_not_the_ranks(tmp_path):
+    """Ctrl-C in a real terminal signals its foreground process group: the caller's. The
+    ranks run in process groups of their own, so they neither see it nor stop the step."""
+    import pty
+
+    script = tmp_path / "terminal_app.py"
+    script.write_text(TERMINAL_APP)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [REPO, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    pid, master = pty.fork()  # the child leads a new session with the pty as its terminal
+    if pid == 0:
+        os.execve(sys.executable, [sys.executable, str(script)], env)
+    output = b""
+    try:
+        deadline = time.monotonic() + 30
+        while b"calling" not in output and time.monotonic() < deadline:
+            output += os.read(master, 4096)
+        time.sleep(0.3)
+        os.write(master, b"\x03")  # what the Ctrl-C key sends; the tty makes it SIGINT
+        while b"next" not in output and time.monotonic() < deadline:
+            try:
+                output += os.read(master, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+        _, status = os.waitpid(pid, 0)
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            output += chunk
+    finally:
+        os.close(master)
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    text = output.decode(errors="replace")
+    assert "interrupted" in text and "next after" in text, text
+    assert "got SIGINT" not in text, text
+    assert os.waitstatus_to_exitcode(status) == 0, text
+
+
 def test_the_next_call_never_receives_the_interrupted_calls_result():
     """Even when the interrupted call finishes while the next one waits, and the next
     one's own answer would be identical in shape: the sequence number tells them apart."""
