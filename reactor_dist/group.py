@@ -384,9 +384,12 @@ class RankGroup:
 
     def idle_deaths(self) -> list[int]:
         """The ranks that have died: one zero-wait poll of their pidfds (a waitpid per
-        rank where a pidfd is missing)."""
+        rank where a pidfd is missing); no system call at all while the death watch
+        has seen none."""
         if len(self.death_fds) < len(self.ranks):
             return self.any_dead()
+        if self.death_watch is not None and not self.death_watch.fired:
+            return []
         fired = self.death_poll.poll(0)
         return sorted({self.death_fds[fd] for fd, _ in fired}) if fired else []
 

@@ -205,6 +205,7 @@ class DeathWatch:
     def __init__(self, fds: dict[int, int], on_death: Callable[[list[int]], None]) -> None:
         self._fds = dict(fds)  # pidfd -> rank; the fds stay owned by their RankProcess
         self._on_death = on_death
+        self.fired = False  # a rank has died (read by the caller's thread)
         self._stop_r, self._stop_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name="reactor-dist-death-watch",
                                         daemon=True)
@@ -216,6 +217,7 @@ class DeathWatch:
             waiting.register(fd, select.POLLIN)
         fired = [fd for fd, _ in waiting.poll()]
         if self._stop_r not in fired:
+            self.fired = True
             self._on_death(sorted({self._fds[fd] for fd in fired}))
 
     def stop(self) -> None:
