@@ -97,6 +97,7 @@ class RankGroup:
                  keep_free: int, start_timeout: float, shutdown_grace: float) -> None:
         self.world_size = world_size
         self.secret = os.urandom(wire.SECRET_SIZE)
+        self.channel = wire.Channel(self.secret)  # the caller's thread, under the runner lock
         self.shm_dir = shm_dir
         self.shm_prefix = shm.new_runner_prefix()
         self.shutdown_grace = shutdown_grace
@@ -209,19 +210,22 @@ class RankGroup:
             push = self.ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 1000)
             push.connect(self.death_addr)
-            wire.send(push, wire.pack(self.secret, {"k": wire.DEATH, "s": 0, "r": ranks[0]}))
+            wire.Channel(self.secret).send(push, {"k": wire.DEATH, "s": 0, "r": ranks[0]})
             push.close()
 
     # -- the wire ---------------------------------------------------------------------------
     def publish(self, header: dict[str, Any], body: list | tuple = ()) -> None:
         header["r"] = -1  # commands are for every rank
-        frames = wire.pack(self.secret, header, body)
+        frames = self.channel.pack(header, body)
         if self.pub_open:
             # A Ctrl-C cut the last command short: end that message with an empty frame
             # (the ranks reject it: its MAC fails) so it cannot swallow this one.
             self.pub.send(b"")
         self.pub_open = True
-        wire.send(self.pub, frames)
+        if len(frames) == 1:
+            self.pub.send(frames[0])
+        else:
+            wire.send(self.pub, frames)
         self.pub_open = False
 
     def collect(self, kind: str, seq: int, timeout: float | None, what: str,
@@ -240,13 +244,18 @@ class RankGroup:
         watch_by_timer = len(self.death_fds) < len(self.ranks)
         sliced = tick is not None or watch_by_timer or self.death_watch is None
         while len(replies) < self.world_size:
-            if tick is not None:
-                tick()
             if sliced:
+                if tick is not None:
+                    tick()
                 dead = self.any_dead() if watch_by_timer else self.idle_deaths()
                 if dead:
                     raise self.crashed(dead, what)
-            message = self.receive(self._wait_ms(deadline, sliced))
+                wait_ms = self._sliced_wait_ms(deadline)
+            elif deadline is None:
+                wait_ms = -1
+            else:
+                wait_ms = int(max(0.0, deadline - time.monotonic()) * 1000) + 1
+            message = self.receive(wait_ms)
             if message is not None:
                 header, body = message
                 if header["k"] == kind and header["s"] == seq and header["r"] not in replies:
@@ -264,11 +273,9 @@ class RankGroup:
         return replies
 
     @staticmethod
-    def _wait_ms(deadline: float | None, sliced: bool) -> int:
-        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if sliced:
-            wait = SLICE if wait is None else min(wait, SLICE)
-        return -1 if wait is None else int(wait * 1000) + 1
+    def _sliced_wait_ms(deadline: float | None) -> int:
+        wait = SLICE if deadline is None else min(max(0.0, deadline - time.monotonic()), SLICE)
+        return int(wait * 1000) + 1
 
     def receive(self, wait_ms: int) -> tuple[dict, list] | None:
         """The next message if it is an authentic reply or death notice (its releases
@@ -280,12 +287,13 @@ class RankGroup:
             self.pull.setsockopt(zmq.RCVTIMEO, wait_ms)
             self.pull_timeout = wait_ms
         try:
-            header, body = wire.unpack(self.secret, wire.recv(self.pull))
+            header, body = self.channel.recv(self.pull)
         except (zmq.Again, wire.ProtocolError):
             return None
         if header["k"] not in RECEIVED or not 0 <= header["r"] < self.world_size:
             return None
-        self.bookkeep(header)
+        if "irel" in header or "ret" in header:
+            self.bookkeep(header)
         return header, body
 
     def bookkeep(self, header: dict[str, Any]) -> None:
@@ -345,9 +353,6 @@ class RankGroup:
         base = np.frombuffer(seg.mm, np.uint8)
         weakref.finalize(base, self.released.append, name)
         return base
-
-    def decode_result(self, header: dict[str, Any], body: list) -> Any:
-        return transfer.decode(header.get("d") or [], body, self.result_base)
 
     # -- failures ---------------------------------------------------------------------------
     def crashed(self, dead: list[int], what: str) -> WorkerCrashed:

@@ -11,7 +11,7 @@ Life of a rank::
     SHUTDOWN -> exit
 
 The secret never appears in argv or the environment.  Every command is
-authenticated (wire.unpack) before anything in it is decoded.
+authenticated (wire.Channel.unpack) before anything in it is decoded.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class RankServer:
         self.boot = boot
         self.rank: int = boot["rank"]
         self.world_size: int = boot["world_size"]
-        self.secret: bytes = boot["secret"]
+        self.channel = wire.Channel(boot["secret"])
         self.shm_dir: str = boot["shm_dir"]
         self.worker: Any = None
         self.store = None
@@ -147,7 +147,7 @@ class RankServer:
 
     def send(self, header: dict[str, Any], body: list | tuple = ()) -> None:
         header["r"] = self.rank
-        wire.send(self.push, wire.pack(self.secret, header, body))
+        self.channel.send(self.push, header, body)
 
     def on_runner_death(self) -> None:
         shm.remove_prefix(self.shm_dir, self.boot["shm_prefix"])
@@ -169,7 +169,7 @@ class RankServer:
         port = self.open_rendezvous()
         while True:
             try:
-                header, body = wire.unpack(self.secret, wire.recv(self.sub))
+                header, body = self.channel.recv(self.sub)
             except wire.ProtocolError as exc:
                 self.rejected += 1
                 if self.rejected <= 3:  # say it, but never flood the log
@@ -246,7 +246,8 @@ class RankServer:
             view = self.input_views.pop(name, None)
             if view is not None:
                 view.close()
-        self.settle()
+        if self.dropped:
+            self.settle()
         reply: dict[str, Any] = {"k": wire.REPLY, "s": header["s"], "st": wire.OK}
         payload: list = []
         error: BaseException | None = None
@@ -283,7 +284,8 @@ class RankServer:
             reply["e"] = describe(error)
             payload = [pickle_exception(error) or b""]
             error = None
-        self.settle()
+        if self.dropped:
+            self.settle()
         if self.inputs_released:
             reply["irel"], self.inputs_released = self.inputs_released, []
         if self.retired:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from types import EllipsisType
 from typing import Any
 
-from . import wire
+from . import transfer, wire
 from .errors import RankDesync, WorkerCrashed, WorkerTimeout, rebuild_exception
 from .group import RankGroup
 from .shm import DEFAULT_DIR
@@ -162,7 +162,8 @@ class DistributedRunner:
     def _call(self, method: str, value: Any, timeout: Any) -> Any:
         timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
         with self._lock:
-            self._check_usable()
+            if self._state[0] != READY:
+                self._check_usable()  # raises
             dead = self._group.idle_deaths()
             if dead:
                 raise self._break(self._group.crashed(dead, "an idle moment between calls"))
@@ -189,7 +190,7 @@ class DistributedRunner:
         if method != "generate":
             return None
         try:
-            return self._group.decode_result(header, body)
+            return transfer.decode(header.get("d"), body, self._group.result_base)
         except Exception as exc:
             if hasattr(exc, "add_note"):
                 exc.add_note("(while unpickling rank 0's result in the caller; the runner "

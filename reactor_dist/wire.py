@@ -25,9 +25,7 @@ The header is short on purpose: empty fields are left out, and readers use
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
-from functools import lru_cache
 from hashlib import blake2b as _blake2b
 from hmac import compare_digest
 from typing import Any
@@ -64,94 +62,119 @@ KINDS = COMMANDS | REPLIES | {DEATH}
 
 _SNDMORE, _RCVMORE = int(zmq.SNDMORE), int(zmq.RCVMORE)
 _ONE_FRAME, _FRAMES = b"reactor-dist/1", b"reactor-dist/n"  # MAC personalizations
-_local = threading.local()
 
 
 class ProtocolError(Exception):
     """A message that is not ours: bad MAC, bad framing or a malformed header."""
 
 
-@lru_cache(maxsize=32)
-def _keyed(secret: bytes, person: bytes) -> Any:
-    """BLAKE2b state after the key block: copying it skips one compression per message."""
-    return _blake2b(digest_size=MAC_SIZE, key=secret, person=person)
+class Channel:
+    """Packs and checks messages under one secret.  The keyed MAC states and the msgpack
+    Packer are built once, so a message costs a copy of a state, not a new key block
+    and a new Packer.  Not thread-safe (the Packer): the runner uses its channel under
+    its lock, a rank from its one serving loop, anyone else a channel of their own."""
 
+    def __init__(self, secret: bytes) -> None:
+        self._one_frame = _blake2b(digest_size=MAC_SIZE, key=secret, person=_ONE_FRAME)
+        self._frames = _blake2b(digest_size=MAC_SIZE, key=secret, person=_FRAMES)
+        self._pack = msgpack.Packer(use_bin_type=True).pack
 
-def _mac(secret: bytes, frames: Sequence[Any]) -> bytes:
-    """The MAC of a message whose frames (the first one without its MAC) are ``frames``."""
-    if len(frames) == 1 and type(frames[0]) is bytes:
-        digest = _keyed(secret, _ONE_FRAME).copy()
-        digest.update(frames[0])
+    def mac(self, frames: Sequence[Any]) -> bytes:
+        """The MAC of a message whose frames (the first one without its MAC) are ``frames``."""
+        if len(frames) == 1 and type(frames[0]) is bytes:
+            digest = self._one_frame.copy()
+            digest.update(frames[0])
+            return digest.digest()
+        digest = self._frames.copy()
+        for frame in frames:
+            size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
+            digest.update(size.to_bytes(8, "little"))
+            digest.update(frame)
         return digest.digest()
-    digest = _keyed(secret, _FRAMES).copy()
-    for frame in frames:
-        size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
-        digest.update(size.to_bytes(8, "little"))
-        digest.update(frame)
-    return digest.digest()
 
+    def pack(self, header: dict[str, Any], body: Sequence[Any] = ()) -> list[Any]:
+        """The multipart frames of one authenticated message (``header`` gains ``"p"``
+        when the first body frame is small enough to ride in it)."""
+        if body and type(body[0]) is bytes and len(body[0]) <= EMBED_LIMIT:
+            header["p"], body = body[0], body[1:]
+        head = self._pack(header)
+        if not body:
+            digest = self._one_frame.copy()
+            digest.update(head)
+            return [digest.digest() + head]
+        return [self.mac([head, *body]) + head, *body]
 
-def _packer() -> msgpack.Packer:
-    """A Packer per thread: ``msgpack.packb`` builds (and frees) a new one per message."""
-    try:
-        return _local.packer
-    except AttributeError:
-        _local.packer = msgpack.Packer(use_bin_type=True)
-        return _local.packer
+    def unpack(self, parts: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
+        """Verify and decode one message: ``(header, body frames)``, else ProtocolError."""
+        if not parts:
+            raise ProtocolError("empty message")
+        first = parts[0] if type(parts[0]) is bytes else bytes(memoryview(parts[0]))
+        if len(first) <= MAC_SIZE:
+            raise ProtocolError(f"first frame has {len(first)} bytes: no room for MAC and header")
+        head = first[MAC_SIZE:]
+        if len(parts) == 1:  # the common message, its MAC inline
+            frames = [head]
+            digest = self._one_frame.copy()
+            digest.update(head)
+            expected = digest.digest()
+        else:
+            frames = [head, *parts[1:]]
+            expected = self.mac(frames)
+        if not compare_digest(first[:MAC_SIZE], expected):
+            raise ProtocolError("MAC mismatch: message not signed with this runner's secret")
+        try:
+            header = msgpack.unpackb(head, raw=False, strict_map_key=True)
+        except Exception as exc:  # only reachable with a valid MAC, i.e. our own bug
+            raise ProtocolError(f"undecodable header: {exc}") from None
+        if type(header) is not dict:
+            raise ProtocolError(f"header is {type(header).__name__}, expected a map")
+        kind, seq, rank = header.get("k"), header.get("s"), header.get("r")
+        if type(seq) is not int or type(rank) is not int:
+            raise ProtocolError(f"header fields 's'/'r' are {seq!r}/{rank!r}, expected ints")
+        if type(kind) is not str or kind not in KINDS:
+            raise ProtocolError(f"unknown message kind {kind!r}")
+        if "p" not in header:
+            return header, frames[1:]
+        embedded = header.pop("p")
+        if type(embedded) is not bytes:
+            raise ProtocolError(
+                f"embedded body frame is {type(embedded).__name__}, expected bytes")
+        frames[0] = embedded
+        return header, frames
+
+    def send(self, sock: zmq.Socket, header: dict[str, Any], body: Sequence[Any] = ()) -> None:
+        """Pack and send one message, frame by frame: pyzmq's ``send_multipart`` costs
+        microseconds of Python per message on the per-call path."""
+        frames = self.pack(header, body)
+        if len(frames) == 1:
+            sock.send(frames[0])
+        else:
+            send(sock, frames)
+
+    def recv(self, sock: zmq.Socket) -> tuple[dict[str, Any], list[Any]]:
+        """Receive and verify one whole message (blocking; zmq.Again after RCVTIMEO)."""
+        parts = [sock.recv()]
+        while sock.get(_RCVMORE):
+            parts.append(sock.recv())
+        return self.unpack(parts)
 
 
 def pack(secret: bytes, header: dict[str, Any], body: Sequence[Any] = ()) -> list[Any]:
-    """The multipart frames of one authenticated message (``header`` gains ``"p"``
-    when the first body frame is small enough to ride in it)."""
-    if body and type(body[0]) is bytes and len(body[0]) <= EMBED_LIMIT:
-        header["p"], body = body[0], body[1:]
-    head = _packer().pack(header)
-    if not body:
-        return [_mac(secret, (head,)) + head]
-    return [_mac(secret, [head, *body]) + head, *body]
+    """:meth:`Channel.pack` for a one-off message."""
+    return Channel(secret).pack(header, body)
 
 
 def unpack(secret: bytes, parts: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
-    """Verify and decode one message: ``(header, body frames)``, else ProtocolError."""
-    if not parts:
-        raise ProtocolError("empty message")
-    first = parts[0] if type(parts[0]) is bytes else bytes(memoryview(parts[0]))
-    if len(first) <= MAC_SIZE:
-        raise ProtocolError(f"first frame has {len(first)} bytes: no room for MAC and header")
-    frames = [first[MAC_SIZE:], *parts[1:]]
-    if not compare_digest(first[:MAC_SIZE], _mac(secret, frames)):
-        raise ProtocolError("MAC mismatch: message not signed with this runner's secret")
-    try:
-        header = msgpack.unpackb(frames[0], raw=False, strict_map_key=True)
-    except Exception as exc:  # only reachable with a valid MAC, i.e. our own bug
-        raise ProtocolError(f"undecodable header: {exc}") from None
-    if type(header) is not dict:
-        raise ProtocolError(f"header is {type(header).__name__}, expected a map")
-    kind, seq, rank = header.get("k"), header.get("s"), header.get("r")
-    if type(seq) is not int or type(rank) is not int:
-        raise ProtocolError(f"header fields 's'/'r' are {seq!r}/{rank!r}, expected ints")
-    if type(kind) is not str or kind not in KINDS:
-        raise ProtocolError(f"unknown message kind {kind!r}")
-    if "p" not in header:
-        return header, frames[1:]
-    embedded = header.pop("p")
-    if type(embedded) is not bytes:
-        raise ProtocolError(f"embedded body frame is {type(embedded).__name__}, expected bytes")
-    frames[0] = embedded
-    return header, frames
+    """:meth:`Channel.unpack` for a one-off message."""
+    return Channel(secret).unpack(parts)
+
+
+def _mac(secret: bytes, frames: Sequence[Any]) -> bytes:
+    return Channel(secret).mac(frames)
 
 
 def send(sock: zmq.Socket, frames: Sequence[Any]) -> None:
-    """Send one multipart message frame by frame: pyzmq's ``send_multipart`` costs
-    microseconds of Python per message on the per-call path."""
+    """Send one multipart message frame by frame (see :meth:`Channel.send`)."""
     for frame in frames[:-1]:
         sock.send(frame, _SNDMORE)
     sock.send(frames[-1])
-
-
-def recv(sock: zmq.Socket) -> list[bytes]:
-    """Receive one whole multipart message (blocking); the lean twin of :func:`send`."""
-    parts = [sock.recv()]
-    while sock.get(_RCVMORE):
-        parts.append(sock.recv())
-    return parts

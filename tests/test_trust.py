@@ -161,11 +161,11 @@ def test_the_bait_is_armed(tmp_path):
 def test_forged_replayed_and_garbage_messages_are_never_unpickled(tmp_path, monkeypatch):
     evil_path = str(tmp_path / "pwned")
     rejected, dropped = [], []
-    unpack = wire.unpack
+    unpack = wire.Channel.unpack
 
-    def counting_unpack(secret, parts):  # the runner side only: the ranks are other processes
+    def counting_unpack(channel, parts):  # the runner side only: the ranks are other processes
         try:
-            header, body = unpack(secret, parts)
+            header, body = unpack(channel, parts)
         except wire.ProtocolError as exc:
             rejected.append(str(exc))
             raise
@@ -173,7 +173,7 @@ def test_forged_replayed_and_garbage_messages_are_never_unpickled(tmp_path, monk
             dropped.append(header["k"])
         return header, body
 
-    monkeypatch.setattr(wire, "unpack", counting_unpack)
+    monkeypatch.setattr(wire.Channel, "unpack", counting_unpack)
     with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
                            device="cpu", call_timeout=10) as runner:
         foreigner = Foreigner(tmp_path, runner._group.ipc_dir, evil_path)
