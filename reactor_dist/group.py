@@ -132,6 +132,7 @@ class RankGroup:
         self.pub.setsockopt(zmq.LINGER, 0)
         cmd_addr = f"ipc://{self.ipc_dir}/cmd"
         self.pub.bind(cmd_addr)
+        self.pub_send = wire.direct_send(self.pub)
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         reply_addr = f"ipc://{self.ipc_dir}/reply"
@@ -210,7 +211,7 @@ class RankGroup:
             push = self.ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 1000)
             push.connect(self.death_addr)
-            wire.Channel(self.secret).send(push, {"k": wire.DEATH, "s": 0, "r": ranks[0]})
+            wire.Channel(self.secret).send(push.send, {"k": wire.DEATH, "s": 0, "r": ranks[0]})
             push.close()
 
     # -- the wire ---------------------------------------------------------------------------
@@ -223,9 +224,9 @@ class RankGroup:
             self.pub.send(b"")
         self.pub_open = True
         if len(frames) == 1:
-            self.pub.send(frames[0])
+            self.pub_send(frames[0])
         else:
-            wire.send(self.pub, frames)
+            wire.send(self.pub_send, frames)
         self.pub_open = False
 
     def collect(self, kind: str, seq: int, timeout: float | None, what: str,

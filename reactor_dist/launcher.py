@@ -144,10 +144,11 @@ class RankServer:
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 2000)
         self.push.connect(self.boot["reply_addr"])
+        self.push_send = wire.direct_send(self.push)
 
     def send(self, header: dict[str, Any], body: list | tuple = ()) -> None:
         header["r"] = self.rank
-        self.channel.send(self.push, header, body)
+        self.channel.send(self.push_send, header, body)
 
     def on_runner_death(self) -> None:
         shm.remove_prefix(self.shm_dir, self.boot["shm_prefix"])
