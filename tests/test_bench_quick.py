@@ -26,3 +26,16 @@ def test_quick_bench_runs_and_writes_results(tmp_path: Path) -> None:
     assert "empty generate(), world_size 2" in text
     assert "Problems in this run" not in text
     assert "empty generate(), world_size 2" in proc.stdout  # the table reached stdout
+
+
+@pytest.mark.timeout(120)
+def test_the_cpu_per_call_diagnostic_runs() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.cpu_per_call", "--calls", "300", "--trials", "1"],
+        cwd=REPO, capture_output=True, text=True, timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("empty call, world_size 2, 300 calls x 1 trials")
+    assert [line.split()[0] for line in lines[2:]] == ["reactor_dist", "floor"]
+    assert all(len(line.split()) == 4 for line in lines[2:])
