@@ -56,37 +56,31 @@ def measure(pools: dict[str, Pool], results: Results, s: Settings) -> None:
         results.measure("result", p.label, fns, n, warm, s.transfer_rounds)
 
 
+def _row(results: Results, label: str, how: str, ours: str) -> Row:
+    """One "frames back" row; the baselines have no shared_empty, so both rows show
+    their plain array."""
+    return Row(
+        section="Frames back (world_size 2)",
+        case=f"{label} result, {how}",
+        unit="ms",
+        ours=results.get("result", label, ours),
+        floor=results.get("result", label, FLOOR),
+        floor_label="warm np.copyto of the same bytes",
+        baselines={i: results.get("result", label, i) for i in IMPLEMENTATIONS if i != OURS},
+    )
+
+
 def rows(results: Results, s: Settings) -> list[Row]:
     out = []
     empty = results.get("call", f"ws{WORLD_SIZE}", OURS)
     for p in s.payloads:
-        floor = results.get("result", p.label, FLOOR)
-        plain = Row(
-            section="Frames back (world_size 2)",
-            case=f"{p.label} result, plain array",
-            unit="ms",
-            ours=results.get("result", p.label, OURS),
-            floor=floor,
-            floor_label="warm np.copyto of the same bytes",
-            baselines={i: results.get("result", p.label, i)
-                       for i in IMPLEMENTATIONS if i != OURS},
-        )
+        plain = _row(results, p.label, "plain array", OURS)
         if p.label == TARGET_PAYLOAD:
             plain.target = f"≤ {PLAIN_TARGET:g}× floor"
             ratio = plain.over_floor
             plain.met = None if ratio is None else ratio <= PLAIN_TARGET
-        shared = Row(
-            section="Frames back (world_size 2)",
-            case=f"{p.label} result, shared_empty",
-            unit="ms",
-            ours=results.get("result", p.label, SHARED),
-            floor=floor,
-            floor_label="warm np.copyto of the same bytes",
-            # The baselines have no shared_empty: their only way is the plain array.
-            baselines={i: results.get("result", p.label, i)
-                       for i in IMPLEMENTATIONS if i != OURS},
-            target="≤ empty call + 1 ms",
-        )
+        shared = _row(results, p.label, "shared_empty", SHARED)
+        shared.target = "≤ empty call + 1 ms"
         if shared.ours is not None and empty is not None:
             extra = shared.ours.median - empty.median
             shared.target = f"≤ empty call + 1 ms (+{extra * 1e3:.2f} ms)"

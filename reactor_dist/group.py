@@ -223,10 +223,7 @@ class RankGroup:
             # (the ranks reject it: its MAC fails) so it cannot swallow this one.
             self.pub.send(b"")
         self.pub_open = True
-        if len(frames) == 1:
-            self.pub_send(frames[0])
-        else:
-            wire.send(self.pub_send, frames)
+        wire.send(self.pub_send, frames)
         self.pub_open = False
 
     def collect(self, kind: str, seq: int, timeout: float | None, what: str,
@@ -404,13 +401,15 @@ class RankGroup:
         """End every process and remove every file; safe to call in any state, twice."""
         if os.getpid() != self.owner_pid:
             return
+        if self.death_watch is not None:
+            # Exits are expected from here on (and the watch must end before end_ranks
+            # closes the pidfds it watches).
+            self.death_watch.stop()
+            self.death_watch = None
         if graceful and self.ranks and not self.any_dead():
             with contextlib.suppress(zmq.ZMQError):
                 self.publish({"k": wire.SHUTDOWN, "s": self.seq + 1})
             wait_all_exit(self.ranks, self.shutdown_grace)
-        if self.death_watch is not None:
-            self.death_watch.stop()  # before end_ranks closes the pidfds it watches
-            self.death_watch = None
         end_ranks(self.ranks)
         self.ranks = []
         for fd in getattr(self, "launcher_fds", ()):

@@ -247,8 +247,7 @@ class RankServer:
             view = self.input_views.pop(name, None)
             if view is not None:
                 view.close()
-        if self.dropped:
-            self.settle()
+        self.settle()
         reply: dict[str, Any] = {"k": wire.REPLY, "s": header["s"], "st": wire.OK}
         payload: list = []
         error: BaseException | None = None
@@ -285,15 +284,13 @@ class RankServer:
             reply["e"] = describe(error)
             payload = [pickle_exception(error) or b""]
             error = None
-        if self.dropped:
-            self.settle()
+        self.settle()
         if self.inputs_released:
             reply["irel"], self.inputs_released = self.inputs_released, []
         if self.retired:
             reply["ret"], self.retired = self.retired, []
         self.send(reply, payload)
-        if self.unchecked:
-            self.check_written_views()
+        self.check_written_views()
 
     def check_written_views(self) -> None:
         """Drop mappings this rank wrote to; runs after the reply, off the caller's clock."""
@@ -305,9 +302,8 @@ class RankServer:
 
     def settle(self) -> None:
         """Apply what finalizers queued: segments let go by the caller or the worker."""
-        dropped = self.dropped
-        while dropped:
-            name, holder = dropped.popleft()
+        while self.dropped:
+            name, holder = self.dropped.popleft()
             if holder == "input":
                 self.inputs_released.append(name)
                 self.unchecked.add(name)

@@ -7,8 +7,9 @@ the caller's session: with the kernel's scheduler autogroups (one per session) a
 session of its own would cost every call about 15 us of cross-group wake-ups.
 Its stdout and stderr share one pipe, which a reader thread forwards to
 the application's stderr line by line, prefixed ``[rank N]``, keeping the last
-lines for crash reports.  A pidfd per rank makes a death an event the runner's
-poll wakes on, not something a timer discovers.
+lines for crash reports.  A pidfd per rank, watched by a :class:`DeathWatch`
+thread, makes a death an event that wakes the runner's wait, not something a
+timer discovers.
 """
 
 from __future__ import annotations

@@ -92,8 +92,6 @@ def encode(obj: Any, pool: SlotPool, what: str, holders: Iterable,
     Raises whatever pickling raises, or SharedSlotAllocationFailed — in both cases
     before anything was sent.  ``holders`` are who must let go of a new segment.
     """
-    if type(obj) in _SCALARS:  # the per-call fast path
-        return [], [pickle.dumps(obj, protocol=5)], []
     stream, buffers = dumps(obj)
     if not buffers:
         return [], [stream], []

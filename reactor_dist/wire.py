@@ -146,11 +146,7 @@ class Channel:
              body: Sequence[Any] = ()) -> None:
         """Pack one message and send it with ``send_frame`` (a socket's ``send``, or
         :func:`direct_send` of it)."""
-        frames = self.pack(header, body)
-        if len(frames) == 1:
-            send_frame(frames[0])
-        else:
-            send(send_frame, frames)
+        send(send_frame, self.pack(header, body))
 
     def recv(self, sock: zmq.Socket) -> tuple[dict[str, Any], list[Any]]:
         """Receive and verify one whole message (blocking; zmq.Again after RCVTIMEO)."""
@@ -177,14 +173,13 @@ def _mac(secret: bytes, frames: Sequence[Any]) -> bytes:
 def send(send_frame: Callable[..., Any], frames: Sequence[Any]) -> None:
     """Send one multipart message frame by frame: pyzmq's ``send_multipart`` costs
     microseconds of Python per message on the per-call path."""
-    for frame in frames[:-1]:
-        send_frame(frame, _SNDMORE)
+    if len(frames) > 1:
+        for frame in frames[:-1]:
+            send_frame(frame, _SNDMORE)
     send_frame(frames[-1])
 
 
 def direct_send(sock: zmq.Socket) -> Callable[..., Any]:
     """``sock.send`` without pyzmq's Python layer over it (which only adds the draft
     sockets' routing options): bound once, it saves a Python call per message."""
-    send_frame = getattr(super(zmq.Socket, sock), "send", None) \
-        if isinstance(sock, zmq.Socket) else None
-    return send_frame or sock.send
+    return super(zmq.Socket, sock).send if isinstance(sock, zmq.Socket) else sock.send

@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -517,27 +518,32 @@ def test_a_terminal_ctrl_c_reaches_the_caller_but_not_the_ranks(tmp_path):
     pid, master = pty.fork()  # the child leads a new session with the pty as its terminal
     if pid == 0:
         os.execve(sys.executable, [sys.executable, str(script)], env)
-    output = b""
-    try:
-        deadline = time.monotonic() + 30
-        while b"calling" not in output and time.monotonic() < deadline:
-            output += os.read(master, 4096)
-        time.sleep(0.3)
-        os.write(master, b"\x03")  # what the Ctrl-C key sends; the tty makes it SIGINT
-        while b"next" not in output and time.monotonic() < deadline:
-            try:
-                output += os.read(master, 4096)
-            except OSError:  # EIO: the child closed the terminal
-                break
-        _, status = os.waitpid(pid, 0)
-        while True:
+    output = bytearray()
+    deadline = time.monotonic() + 30
+
+    def read_until(marker: bytes) -> None:
+        """Read the terminal until ``marker``, its end, or the deadline."""
+        while marker not in output:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([master], [], [], left)[0]:
+                return
             try:
                 chunk = os.read(master, 4096)
-            except OSError:
-                break
+            except OSError:  # EIO: the child closed the terminal
+                return
             if not chunk:
-                break
-            output += chunk
+                return
+            output.extend(chunk)
+
+    try:
+        read_until(b"calling")
+        time.sleep(0.3)
+        os.write(master, b"\x03")  # what the Ctrl-C key sends; the tty makes it SIGINT
+        read_until(b"\x00")  # everything, up to the child's exit
+        ended, status = os.waitpid(pid, os.WNOHANG)
+        while ended == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+            ended, status = os.waitpid(pid, os.WNOHANG)
     finally:
         os.close(master)
         with contextlib.suppress(ProcessLookupError, ChildProcessError):
@@ -546,7 +552,7 @@ def test_a_terminal_ctrl_c_reaches_the_caller_but_not_the_ranks(tmp_path):
     text = output.decode(errors="replace")
     assert "interrupted" in text and "next after" in text, text
     assert "got SIGINT" not in text, text
-    assert os.waitstatus_to_exitcode(status) == 0, text
+    assert ended == pid and os.waitstatus_to_exitcode(status) == 0, text
 
 
 def test_the_next_call_never_receives_the_interrupted_calls_result():
