@@ -1,5 +1,5 @@
-"""The exceptions of the error contract (DESIGN.md section 3), and how a rank's
-exception survives the trip to the caller.
+"""The exceptions of the error contract (docs/design.md, "Error contract"), and how a
+rank's exception survives the trip to the caller.
 
 A rank's exception is pickled with its type, args and formatted traceback.  The
 caller gets the same type and args back with the remote traceback attached as
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pickle
 import traceback
+
+from .protocol import ErrorRecord
 
 
 class WorkerCrashed(RuntimeError):
@@ -60,14 +62,14 @@ def type_name(exc: BaseException) -> str:
     return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
 
 
-def describe(exc: BaseException) -> dict:
+def describe(exc: BaseException) -> ErrorRecord:
     """What a rank sends about its exception besides the pickle itself."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
         message = str(exc)
     except Exception:  # a broken __str__ must not break the report
         message = f"<unprintable {type(exc).__name__}>"
-    return {"type": type_name(exc), "message": message, "traceback": tb}
+    return ErrorRecord(type_name(exc), message, tb)
 
 
 def pickle_exception(exc: BaseException) -> bytes | None:
@@ -85,7 +87,7 @@ def pickle_exception(exc: BaseException) -> bytes | None:
         exc.__traceback__, exc.__context__, exc.__cause__ = saved
 
 
-def rebuild_exception(info: dict, data: bytes | None, rank: int) -> BaseException:
+def rebuild_exception(info: ErrorRecord, data: bytes | None, rank: int) -> BaseException:
     """The caller-side exception of one rank: the original when possible, else RemoteError."""
     exc: BaseException | None = None
     if data is not None:
@@ -94,7 +96,7 @@ def rebuild_exception(info: dict, data: bytes | None, rank: int) -> BaseExceptio
         except Exception:
             exc = None
     if not isinstance(exc, BaseException):
-        exc = RemoteError(info["type"], info["message"], info["traceback"])
-    exc.__cause__ = RemoteTraceback(f"\n[rank {rank}] remote traceback:\n{info['traceback']}")
+        exc = RemoteError(info.type, info.message, info.traceback)
+    exc.__cause__ = RemoteTraceback(f"\n[rank {rank}] remote traceback:\n{info.traceback}")
     exc.remote_rank = rank  # type: ignore[attr-defined]
     return exc

@@ -1,4 +1,4 @@
-"""``DistributedRunner``: the public API and the error contract (DESIGN.md sections 2, 3).
+"""``DistributedRunner``: the public API, its state machine and the error contract.
 
 States::
 
@@ -8,8 +8,9 @@ States::
 
 Only ``ready`` accepts calls.  An unusable or closed runner refuses every call
 at once with a RuntimeError that says "unusable" and chains the failure that
-made it so; it never restarts a rank nor replays a step.  The transport
-(processes, sockets, shared memory) lives in :mod:`reactor_dist.group`.
+made it so; it never restarts a rank nor replays a step.  One call is one
+:meth:`Transport.call <reactor_dist.transport.Transport.call>` (processes, bus,
+shared memory) and one :func:`~reactor_dist.outcome.judge` (the error contract).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from collections.abc import Sequence
 from types import EllipsisType
 from typing import Any
 
-from . import transfer, wire
-from .errors import RankDesync, WorkerCrashed, WorkerTimeout, rebuild_exception
-from .group import RankGroup
+from .errors import WorkerCrashed, WorkerTimeout
+from .outcome import judge
+from .protocol import GENERATE, RESET
 from .shm import DEFAULT_DIR
+from .transport import Transport
 from .validation import check_load_kwargs, check_methods, check_world_size, locate
 
 NEW, READY, UNUSABLE, CLOSED = "new", "ready", "unusable", "closed"
@@ -38,16 +40,16 @@ def _check_timeout(name: str, value: Any) -> float | None:
     return float(value)
 
 
-def _close_group(group: RankGroup, state: list[str]) -> None:
+def _close(transport: Transport, state: list[str]) -> None:
     """Finalizer (also at interpreter exit): never leave a process or a file behind."""
     graceful = state[0] == READY
     state[0] = CLOSED
     try:
-        group.close(graceful=graceful)
+        transport.close(graceful=graceful)
     except BaseException:
         # Interrupted (Ctrl-C while a rank takes its grace period): the finalizer has
         # fired and will not run again, so end the rest now, without grace.
-        group.close(graceful=False)
+        transport.close(graceful=False)
         raise
 
 
@@ -83,12 +85,12 @@ class DistributedRunner:
                 raise ValueError(f"gpus={gpus} names {len(gpus)} GPUs for {world_size} ranks; "
                                  f"give one GPU per rank")
         env = {str(k): str(v) for k, v in (env or {}).items()}
-        if where["module"] == "__main__":
+        if where.module == "__main__":
             # Ranks define __main__'s classes as __mp_main__ (like multiprocessing): alias
             # it here so their pickles (results, exceptions) resolve in this process.
             sys.modules.setdefault("__mp_main__", sys.modules["__main__"])
         self._worker_name = f"{worker_cls.__module__}.{worker_cls.__qualname__}"
-        self._group = RankGroup(
+        self._transport = Transport(
             worker=where, world_size=world_size, load_kwargs=kwargs,
             init_process_group=bool(init_process_group), device=device, gpus=gpus, env=env,
             launch_prefix=[str(p) for p in launch_prefix], shm_dir=shm_dir,
@@ -98,7 +100,7 @@ class DistributedRunner:
         self._state = [NEW]  # a list, shared with the finalizer
         self._failure: BaseException | None = None
         self._lock = threading.RLock()
-        self._finalizer = weakref.finalize(self, _close_group, self._group, self._state)
+        self._finalizer = weakref.finalize(self, _close, self._transport, self._state)
 
     # -- properties -----------------------------------------------------------------------
     @property
@@ -107,14 +109,9 @@ class DistributedRunner:
 
     @property
     def healthy(self) -> bool:
-        """True between a successful start() and a crash, timeout, desync or shutdown."""
-        if self._state[0] != READY:
-            return False
-        dead = self._group.any_dead()
-        if dead:
-            self._break(self._group.crashed(dead, "an idle moment between calls"))
-            return False
-        return True
+        """True between a successful start() and a crash, timeout, desync or shutdown.
+        Only reads: a rank that died while idle is reported by the next call."""
+        return self._state[0] == READY and not self._transport.dead()
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -124,10 +121,10 @@ class DistributedRunner:
                 raise RuntimeError("a DistributedRunner starts once; build a new one to restart")
             self._state[0] = UNUSABLE  # until proven otherwise
             try:
-                self._group.start(self.start_timeout)
+                self._transport.start(self.start_timeout or 365 * 24 * 3600.0)
             except BaseException as exc:
                 self._failure = exc
-                self._group.close(graceful=False)
+                self._transport.close(graceful=False)
                 self._state[0] = CLOSED
                 raise
             self._state[0] = READY
@@ -135,11 +132,11 @@ class DistributedRunner:
     def generate(self, input: Any, /, *,
                  timeout: float | None | EllipsisType = ...) -> Any:
         """Run ``generate(input)`` on every rank; rank 0's result, or the contract's error."""
-        return self._call("generate", input, timeout)
+        return self._call(GENERATE, input, timeout)
 
     def reset(self, *, timeout: float | None | EllipsisType = ...) -> None:
         """Run ``reset()`` on every rank (clear session state, keep weights)."""
-        self._call("reset", None, timeout)
+        self._call(RESET, None, timeout)
 
     def shutdown(self) -> None:
         """End every rank and remove every file. Idempotent; also runs at exit."""
@@ -164,16 +161,16 @@ class DistributedRunner:
         with self._lock:
             if self._state[0] != READY:
                 self._check_usable()  # raises
-            dead = self._group.idle_deaths()
-            if dead:
-                raise self._break(self._group.crashed(dead, "an idle moment between calls"))
-            seq = self._group.send_call(method, value)  # raises before sending, runner healthy
-            what = f"{method}() (call {seq})"
             try:
-                replies = self._group.collect(wire.REPLY, seq, timeout, what)
+                outcomes = self._transport.call(method, value, timeout)
             except (WorkerCrashed, WorkerTimeout) as exc:
                 raise self._break(exc) from None
-            return self._outcome(method, replies)
+            verdict = judge(method, outcomes)
+            if verdict.error is None:
+                return verdict.value
+            if verdict.breaks:
+                self._break(verdict.error)
+            raise verdict.error
 
     def _check_usable(self) -> None:
         state = self._state[0]
@@ -186,48 +183,7 @@ class DistributedRunner:
                 f"this DistributedRunner is unusable{why}. It never restarts ranks; build and "
                 f"start a new one") from self._failure
 
-    def _result(self, method: str, header: dict, body: list) -> Any:
-        if method != "generate":
-            return None
-        try:
-            return transfer.decode(header.get("d"), body, self._group.result_base)
-        except Exception as exc:
-            if hasattr(exc, "add_note"):
-                exc.add_note("(while unpickling rank 0's result in the caller; the runner "
-                             "stays healthy)")
-            raise
-
     def _break(self, exc: BaseException) -> BaseException:
         self._failure = exc
         self._state[0] = UNUSABLE
         return exc
-
-    def _outcome(self, method: str, replies: dict[int, tuple[dict, list]]) -> Any:
-        if [h.get("st") for h, _ in replies.values()].count(wire.OK) == self._world_size:
-            return self._result(method, *replies[0])  # every rank returned: the common case
-        raised = {r: replies[r] for r in sorted(replies) if replies[r][0].get("st") == wire.RAISED}
-        if replies[0][0].get("st") == wire.UNDELIVERABLE:
-            header, body = replies[0]
-            if not raised:
-                # Every rank finished the step; only delivery failed: still in sync.
-                raise rebuild_exception(header["e"], body[0] or None, 0)
-            raised = {0: replies[0], **raised}  # judged with the others' exceptions
-        if not raised:
-            return self._result(method, *replies[0])
-        errors = {r: rebuild_exception(h["e"], b[0] or None, r) for r, (h, b) in raised.items()}
-        if len(raised) == self._world_size:
-            types = {r: h["e"]["type"] for r, (h, _) in raised.items()}
-            if len(set(types.values())) == 1:
-                raise errors[0]
-            named = ", ".join(f"rank {r} raised {t}" for r, t in types.items())
-            desync = RankDesync(f"ranks raised different exception types in {method}(): {named}")
-        else:
-            first = next(iter(raised))
-            ok = [r for r in range(self._world_size) if r not in raised]
-            desync = RankDesync(
-                f"rank {first} raised {raised[first][0]['e']['type']} in {method}() while rank "
-                f"{', '.join(map(str, ok))} returned: the ranks are out of step")
-        first = next(iter(errors))
-        desync.__cause__ = errors[first]
-        desync.rank_errors = errors  # type: ignore[attr-defined]
-        raise self._break(desync)

@@ -1,14 +1,11 @@
-"""Shared-memory segments in /dev/shm: creation, warm reuse, private views, cleanup.
+"""Shared-memory segments in /dev/shm: creation, mapping, private views, cleanup.
 
-Why pools: a fresh 97 MB segment costs several memcpys' worth of page faults,
-and even mapping an existing one costs about one.  So both sides keep their
-segments *mapped* and reuse them; a segment goes back to its pool only when every
-holder has let go (the caller's arrays were dropped, the ranks' input views were
-dropped), so reuse never hands out memory somebody still reads.
+Which segment may be reused when is the ledger's business
+(:mod:`reactor_dist.ledger`); this module only makes, maps and removes them.
 
-Names: ``rdist.<owner pid>.<owner start time>.<runner token>.<what><n>``.  The
-owner part lets any later runner on the machine recognise entries whose owner is
-dead (pid gone or reused) and remove them; a live runner's entries are never
+Names (:func:`reactor_dist.protocol.segment_prefix`) carry the owner's pid and
+start time, so any later runner on the machine recognises entries whose owner is
+dead (pid gone or reused) and removes them; a live runner's entries are never
 touched.  Every entry is created 0600.
 
 Capacity: before creating a segment we check the filesystem can hold it, and we
@@ -23,14 +20,13 @@ import errno
 import mmap
 import os
 import secrets
-from collections import Counter
-from collections.abc import Iterable
 from functools import lru_cache
 
 import numpy as np
 import psutil
 
 from .errors import SharedSlotAllocationFailed
+from .protocol import segment_owner, segment_prefix
 
 DEFAULT_DIR = "/dev/shm"
 # Test hook and safety valve: pretend the shm filesystem holds at most this many bytes.
@@ -56,17 +52,18 @@ def mib(n: float) -> str:
 
 
 @lru_cache(maxsize=1)
-def _owner_tag(pid: int) -> str:
-    started = int(psutil.Process(pid).create_time() * 100)
-    return f"rdist.{pid}.{started:x}"
+def _start_time(pid: int) -> int:
+    return int(psutil.Process(pid).create_time() * 100)
 
 
 def owner_prefix() -> str:
     """The name prefix of every entry this process owns (recomputed after a fork)."""
-    return _owner_tag(os.getpid())
+    pid = os.getpid()
+    return segment_prefix(pid, _start_time(pid), "")[:-1]
 
 
 def new_runner_prefix() -> str:
+    """The name prefix of one runner's entries."""
     return f"{owner_prefix()}.{secrets.token_hex(4)}"
 
 
@@ -104,6 +101,10 @@ class Segment:
     def __init__(self, directory: str, name: str, size: int, mm: mmap.mmap) -> None:
         self.directory, self.name, self.size, self.mm = directory, name, size, mm
         self.address = np.frombuffer(mm, np.uint8).ctypes.data if size else 0
+
+    @property
+    def buffer(self) -> mmap.mmap:
+        return self.mm
 
     @property
     def path(self) -> str:
@@ -156,81 +157,6 @@ def unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-class SlotPool:
-    """Segments one side creates and lends out; reused only once every holder let go.
-
-    ``keep_free`` bounds how many idle segments stay warm; beyond it the oldest
-    idle ones are unmapped and unlinked (and reported, so the peer unmaps them too).
-    """
-
-    def __init__(self, directory: str, prefix: str, tag: str, keep_free: int = 2) -> None:
-        self.directory, self.prefix, self.tag, self.keep_free = directory, prefix, tag, keep_free
-        self.segments: dict[str, Segment] = {}
-        self.holders: dict[str, Counter] = {}  # name -> who still holds it; empty = idle
-        self.idle: list[str] = []           # oldest first
-        self._counter = 0
-
-    def acquire(self, nbytes: int, what: str, holders: Iterable) -> Segment:
-        """An idle segment of at least ``nbytes`` (smallest fit), else a new one."""
-        fits = [n for n in self.idle if self.segments[n].size >= nbytes]
-        if fits:
-            name = min(fits, key=lambda n: self.segments[n].size)
-            self.idle.remove(name)
-        else:
-            self._counter += 1
-            name = f"{self.prefix}.{self.tag}{self._counter}"
-            size = max(GRANULE, (nbytes + GRANULE - 1) // GRANULE * GRANULE)
-            try:
-                self.segments[name] = Segment.create(self.directory, name, size, what)
-            except SharedSlotAllocationFailed:
-                # Idle segments that do not fit are worth less than this payload.
-                if not self.idle:
-                    raise
-                self.trim(0)
-                self.segments[name] = Segment.create(self.directory, name, size, what)
-        self.holders[name] = Counter(holders)
-        return self.segments[name]
-
-    def let_go(self, name: str, holder) -> list[str]:
-        """``holder`` is done with ``name``; returns the names this retired."""
-        held = self.holders.get(name)
-        if held is None:
-            return []
-        held[holder] -= 1
-        if held[holder] <= 0:
-            del held[holder]
-        if held:
-            return []
-        if name not in self.idle:
-            self.idle.append(name)
-        return self.trim(self.keep_free)
-
-    def hold(self, name: str, holder) -> None:
-        self.holders[name][holder] += 1
-
-    def find(self, address: int, nbytes: int) -> tuple[Segment, int] | None:
-        for seg in self.segments.values():
-            if seg.contains(address, nbytes):
-                return seg, address - seg.address
-        return None
-
-    def trim(self, keep: int) -> list[str]:
-        retired = []
-        while len(self.idle) > keep:
-            name = self.idle.pop(0)
-            self.segments.pop(name).close(unlink=True)
-            del self.holders[name]
-            retired.append(name)
-        return retired
-
-    def close(self) -> None:
-        for seg in self.segments.values():
-            seg.close(unlink=True)
-        self.segments.clear()
-        self.holders.clear()
-        self.idle.clear()
 
 
 class PrivateView:
@@ -298,14 +224,13 @@ def reclaim_dead_owners(directory: str) -> int:
         names = os.listdir(directory)
     except OSError:
         return 0
-    alive: dict[tuple[str, str], bool] = {}
+    alive: dict[tuple[int, str], bool] = {}
     for name in names:
-        parts = name.split(".")
-        if len(parts) < 4 or parts[0] != "rdist" or not parts[1].isdigit():
+        key = segment_owner(name)
+        if key is None:
             continue
-        key = (parts[1], parts[2])
         if key not in alive:
-            alive[key] = _owner_alive(int(parts[1]), parts[2])
+            alive[key] = _owner_alive(*key)
         if not alive[key]:
             unlink_quietly(os.path.join(directory, name))
             removed += 1

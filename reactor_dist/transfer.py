@@ -7,8 +7,8 @@ Each buffer is placed by size::
     already in a pool segment (shared_empty)  -> referenced where it lies: no copy
     otherwise        -> copied once into a pooled, warm segment
 
-and described in the message header by ``[loc, where, offset, nbytes, readonly]``
-with ``loc`` 0 = inline frame index, 1 = segment name.  Decoding hands
+and described in the message header by a :class:`~reactor_dist.protocol.Descriptor`.
+Decoding hands
 ``pickle.loads`` views of those frames and segments, so numpy arrays come back
 viewing the shared memory itself.
 
@@ -23,17 +23,18 @@ import io
 import os
 import pickle
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import numpy as np
 
-from .shm import SlotPool, align
+from .ledger import Ledger
+from .protocol import INLINE, SEGMENT, Descriptor
+from .shm import align
 
 # Measured (benchmarks/inline_threshold.py): below ~64 KiB a ZeroMQ frame copy is cheaper
 # than a segment round trip; above it the segment wins. Overridable for that measurement.
 INLINE_LIMIT = int(os.environ.get("REACTOR_DIST_INLINE_LIMIT", 64 * 1024))
-INLINE, SEGMENT = 0, 1
 
 
 def _rebuild_tensor(raw: np.ndarray, dtype: str, shape: tuple, requires_grad: bool):
@@ -84,33 +85,33 @@ def _address(view: memoryview) -> int:
     return np.frombuffer(view, np.uint8).ctypes.data
 
 
-def encode(obj: Any, pool: SlotPool, what: str, holders: Iterable,
+def encode(obj: Any, ledger: Ledger, what: str, holders: Iterable[Hashable],
            reuse_segments: bool = False,
-           inline_limit: int = INLINE_LIMIT) -> tuple[list, list, list[str]]:
+           inline_limit: int = INLINE_LIMIT) -> tuple[list[Descriptor], list, list[str]]:
     """``(descriptors, frames, segment names)`` for one payload.
 
     Raises whatever pickling raises, or SharedSlotAllocationFailed — in both cases
-    before anything was sent.  ``holders`` are who must let go of a new segment.
+    before anything was sent.  ``holders`` hold every segment the payload lies in.
     """
     stream, buffers = dumps(obj)
     if not buffers:
         return [], [stream], []
     holders = list(holders)
     frames: list[Any] = [stream]
-    descriptors: list[list | None] = []
+    descriptors: list[Any] = []
     copies: list[tuple[int, memoryview]] = []
     found_segments: list[str] = []
     for pb in buffers:
         raw = pb.raw()
         n, ro = raw.nbytes, raw.readonly
         if n < inline_limit:
-            descriptors.append([INLINE, len(frames), 0, n, ro])
+            descriptors.append(Descriptor(INLINE, len(frames), 0, n, ro))
             frames.append(raw)
             continue
-        found = pool.find(_address(raw), n) if reuse_segments else None
+        found = ledger.find(_address(raw), n) if reuse_segments else None
         if found is not None:
             seg, offset = found
-            descriptors.append([SEGMENT, seg.name, offset, n, ro])
+            descriptors.append(Descriptor(SEGMENT, seg.name, offset, n, ro))
             if seg.name not in found_segments:
                 found_segments.append(seg.name)
             continue
@@ -119,26 +120,27 @@ def encode(obj: Any, pool: SlotPool, what: str, holders: Iterable,
     used = list(found_segments)
     if copies:
         total = sum(align(raw.nbytes) for _, raw in copies)
-        seg = pool.acquire(total, what, holders)
+        seg = ledger.acquire(total, what, holders)
         target = np.frombuffer(seg.mm, np.uint8)
         offset = 0
         for index, raw in copies:
             n = raw.nbytes
             np.copyto(target[offset:offset + n], np.frombuffer(raw, np.uint8))
-            descriptors[index] = [SEGMENT, seg.name, offset, n, raw.readonly]
+            descriptors[index] = Descriptor(SEGMENT, seg.name, offset, n, raw.readonly)
             offset += align(n)
         del target
         used.append(seg.name)
     # Only now, with nothing left to fail, do the holders take the segments they view.
     for name in found_segments:
         for holder in holders:
-            pool.hold(name, holder)
+            ledger.hold(name, holder)
     return descriptors, frames, used
 
 
 def decode(descriptors: list | None, frames: list,
            segment_base: Callable[[str], np.ndarray]) -> Any:
-    """Rebuild a payload; ``segment_base(name)`` gives a uint8 array over a segment."""
+    """Rebuild a payload from its wire descriptors (5-item arrays, see Descriptor);
+    ``segment_base(name)`` gives a uint8 array over a segment."""
     if not frames:
         raise ValueError("payload has no pickle frame")
     if not descriptors:

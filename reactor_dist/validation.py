@@ -1,4 +1,4 @@
-"""Construction checks (DESIGN.md section 2) and how a fresh interpreter finds the class.
+"""Construction checks and how a fresh interpreter finds the worker class.
 
 Everything here runs in ``DistributedRunner.__init__``, before any process
 exists, so that a mistake costs the user an exception, not a hung start-up.
@@ -6,10 +6,14 @@ exists, so that a mistake costs the user an exception, not a hung start-up.
 
 from __future__ import annotations
 
+import importlib
 import pickle
+import runpy
 import sys
+import types
 from typing import Any
 
+from .protocol import WorkerRef
 from .worker import DistributedWorker
 
 REQUIRED_METHODS = ("load", "generate", "reset")
@@ -37,7 +41,7 @@ def check_methods(cls: Any) -> None:
         )
 
 
-def locate(cls: type) -> dict[str, Any]:
+def locate(cls: type) -> WorkerRef:
     """Where a fresh interpreter finds ``cls``: module name, qualname, and for
     ``__main__`` the script path or ``-m`` module name.  TypeError when nowhere."""
     qualname, module_name = cls.__qualname__, cls.__module__
@@ -47,14 +51,14 @@ def locate(cls: type) -> dict[str, Any]:
             f"cannot import it. Move it to the top level of a module."
         )
     module = sys.modules.get(module_name)
-    where: dict[str, Any] = {"module": module_name, "qualname": qualname}
+    where = WorkerRef(module_name, qualname)
     if module_name == "__main__":
         spec = getattr(module, "__spec__", None)
         path = getattr(module, "__file__", None)
         if spec is not None and spec.name and spec.name != "__main__":
-            where["main_module"] = spec.name          # python -m pkg.app
+            where = WorkerRef(module_name, qualname, main_module=spec.name)  # python -m app
         elif path:
-            where["main_path"] = path                 # python app.py
+            where = WorkerRef(module_name, qualname, main_path=path)  # python app.py
         else:
             raise TypeError(
                 f"worker class {qualname} is defined in an interactive session or notebook "
@@ -89,3 +93,23 @@ def check_load_kwargs(load_kwargs: Any) -> dict[str, Any]:
                 f"pass a path or plain data and build the object inside load()"
             ) from None
     return dict(load_kwargs)
+
+
+def import_worker_class(where: WorkerRef) -> type:
+    """In a rank: find the class the way multiprocessing's spawn finds ``__main__``'s
+    objects (the script is run again as ``__mp_main__``, its guard keeps it quiet)."""
+    if where.module == "__main__":
+        main = types.ModuleType("__mp_main__")
+        if where.main_module is not None:
+            content = runpy.run_module(where.main_module, run_name="__mp_main__",
+                                       alter_sys=True)
+        else:
+            content = runpy.run_path(str(where.main_path), run_name="__mp_main__")
+        main.__dict__.update(content)
+        sys.modules["__main__"] = sys.modules["__mp_main__"] = main
+        obj: Any = main
+    else:
+        obj = importlib.import_module(where.module)
+    for part in where.qualname.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -1,14 +1,14 @@
-"""Message framing and authentication on the runner's sockets (DESIGN.md sections 5, 7).
+"""Message framing and authentication on the runner's sockets.
 
 A message is a ZeroMQ multipart::
 
     [ mac + header | body frames ... ]
 
-The first frame is the 32-byte MAC followed by the header, a msgpack map (kind,
-sequence number, rank, status, buffer descriptors, ...); the body frames are the
+The first frame is the 32-byte MAC followed by the header, a msgpack map whose
+fields and kinds :mod:`reactor_dist.protocol` names; the body frames are the
 pickle-5 stream and any small out-of-band buffers.  A small pickle stream (most
-calls and replies) rides inside the header as ``"p"``, so that the common message
-is one frame.
+calls and replies) rides inside the header as ``EMBEDDED``, so that the common
+message is one frame.
 
 The MAC is keyed BLAKE2b-256 under the per-runner secret: over the header frame
 alone for a one-frame message, else over every frame, length-prefixed, with a
@@ -33,35 +33,23 @@ from typing import Any
 import msgpack
 import zmq
 
-MAC_SIZE = 32
-SECRET_SIZE = 32
-EMBED_LIMIT = 4096  # a first body frame up to this size travels inside the header frame
+from .protocol import (
+    EMBED_LIMIT,
+    EMBEDDED,
+    KIND,
+    KINDS,
+    MAC_FRAMES,
+    MAC_ONE_FRAME,
+    MAC_SIZE,
+    RANK,
+    SECRET_SIZE,
+    SEQ,
+)
 
-# Commands: runner -> every rank (PUB).
-PING = "ping"          # handshake probe, repeated until every rank answered
-INIT = "init"          # form the process group, then load()
-CALL = "call"          # generate / reset
-SHUTDOWN = "shutdown"  # leave the serve loop and exit
-COMMANDS = frozenset({PING, INIT, CALL, SHUTDOWN})
-
-# Replies: one rank -> runner (PUSH).
-PONG = "pong"          # handshake answer: pid, and rank 0's rendezvous port
-READY = "ready"        # load() finished (status ok) or raised (status raised)
-REPLY = "reply"        # outcome of one CALL
-REPLIES = frozenset({PONG, READY, REPLY})
-
-# From the runner's own death-watch thread to its PULL socket (inproc): rank r died.
-DEATH = "death"
-
-# Reply statuses.
-OK = "ok"                        # the method returned
-RAISED = "raised"                # the method (or decoding its input) raised
-UNDELIVERABLE = "undeliverable"  # rank 0 returned, but its result could not be sent
-
-KINDS = COMMANDS | REPLIES | {DEATH}
+__all__ = ["MAC_SIZE", "SECRET_SIZE", "EMBED_LIMIT", "Channel", "ProtocolError", "pack",
+           "unpack", "send", "direct_send"]
 
 _SNDMORE, _RCVMORE = int(zmq.SNDMORE), int(zmq.RCVMORE)
-_ONE_FRAME, _FRAMES = b"reactor-dist/1", b"reactor-dist/n"  # MAC personalizations
 
 
 class ProtocolError(Exception):
@@ -75,8 +63,8 @@ class Channel:
     its lock, a rank from its one serving loop, anyone else a channel of their own."""
 
     def __init__(self, secret: bytes) -> None:
-        self._one_frame = _blake2b(digest_size=MAC_SIZE, key=secret, person=_ONE_FRAME)
-        self._frames = _blake2b(digest_size=MAC_SIZE, key=secret, person=_FRAMES)
+        self._one_frame = _blake2b(digest_size=MAC_SIZE, key=secret, person=MAC_ONE_FRAME)
+        self._frames = _blake2b(digest_size=MAC_SIZE, key=secret, person=MAC_FRAMES)
         self._pack = msgpack.Packer(use_bin_type=True).pack
 
     def mac(self, frames: Sequence[Any]) -> bytes:
@@ -93,10 +81,10 @@ class Channel:
         return digest.digest()
 
     def pack(self, header: dict[str, Any], body: Sequence[Any] = ()) -> list[Any]:
-        """The multipart frames of one authenticated message (``header`` gains ``"p"``
-        when the first body frame is small enough to ride in it)."""
+        """The multipart frames of one authenticated message (``header`` gains
+        ``EMBEDDED`` when the first body frame is small enough to ride in it)."""
         if body and type(body[0]) is bytes and len(body[0]) <= EMBED_LIMIT:
-            header["p"], body = body[0], body[1:]
+            header[EMBEDDED], body = body[0], body[1:]
         head = self._pack(header)
         if not body:
             digest = self._one_frame.copy()
@@ -128,14 +116,14 @@ class Channel:
             raise ProtocolError(f"undecodable header: {exc}") from None
         if type(header) is not dict:
             raise ProtocolError(f"header is {type(header).__name__}, expected a map")
-        kind, seq, rank = header.get("k"), header.get("s"), header.get("r")
+        kind, seq, rank = header.get(KIND), header.get(SEQ), header.get(RANK)
         if type(seq) is not int or type(rank) is not int:
-            raise ProtocolError(f"header fields 's'/'r' are {seq!r}/{rank!r}, expected ints")
+            raise ProtocolError(f"header fields SEQ/RANK are {seq!r}/{rank!r}, expected ints")
         if type(kind) is not str or kind not in KINDS:
             raise ProtocolError(f"unknown message kind {kind!r}")
-        if "p" not in header:
+        if EMBEDDED not in header:
             return header, frames[1:]
-        embedded = header.pop("p")
+        embedded = header.pop(EMBEDDED)
         if type(embedded) is not bytes:
             raise ProtocolError(
                 f"embedded body frame is {type(embedded).__name__}, expected bytes")

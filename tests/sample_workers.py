@@ -277,22 +277,22 @@ class FaultWorker(DistributedWorker):
 
 
 def run_launcher_with_group_fault() -> None:
-    """A ``launch_prefix`` entry point: runs the rank's launcher in this process, with
+    """A ``launch_prefix`` entry point: runs the rank's serve loop in this process, with
     the fault in $REACTOR_TEST_FAULT (JSON) fired as the rank starts to form the
     torch.distributed group (worker code has not even been imported at that point)."""
     import json
 
-    from reactor_dist import launcher
+    from reactor_dist import rank
 
     fault = json.loads(os.environ["REACTOR_TEST_FAULT"])
-    form_group = launcher.RankServer.form_group
+    form_group = rank.RankServer.form_group
 
     def faulty_form_group(self, device, port):
         maybe_fault(fault, "group")
         return form_group(self, device, port)
 
-    launcher.RankServer.form_group = faulty_form_group
-    sys.exit(launcher.main([]))
+    rank.RankServer.form_group = faulty_form_group
+    sys.exit(rank.main([]))
 
 
 class ChildSpawningWorker(ScriptedWorker):

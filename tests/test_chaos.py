@@ -20,6 +20,7 @@ import time
 import numpy as np
 import pytest
 from conftest import wait_gone
+from probe import Probe
 from sample_workers import ScriptedWorker
 
 from reactor_dist import DistributedRunner, WorkerCrashed, shm
@@ -57,12 +58,12 @@ def lifetime(rng: random.Random, life: int) -> str:
                                device="cpu", call_timeout=10)
     try:
         runner.start()
-        group = runner._group
-        prefix, ipc_dir = group.shm_prefix, group.ipc_dir
+        probe = Probe(runner)
+        prefix, ipc_dir = probe.shm_prefix, probe.ipc_dir
         calls = rng.randint(2, 10)
         victim_call, victim = rng.randrange(calls), rng.randrange(world_size)
         delay, sig = rng.uniform(0, 0.06), rng.choice(SIGNALS)
-        pid = group.ranks[victim].pid
+        pid = probe.rank_pids[victim]
         kill: dict[str, float] = {}
 
         def killer() -> None:
@@ -97,8 +98,7 @@ def lifetime(rng: random.Random, life: int) -> str:
                 del out
         assert crashed, f"{story}: the kill was never reported"
         assert not runner.healthy
-        pids = [r.pid for r in group.ranks] + [p.pid for r in group.ranks for p in
-                                              r.descendants()]
+        pids = probe.processes()
     finally:
         runner.shutdown()
     assert wait_gone(pids, timeout=1.0) == [], f"{story}: processes left"

@@ -7,6 +7,7 @@ import signal
 import time
 
 import pytest
+from probe import Probe
 from sample_workers import NeedsTwoArgs, ScriptedWorker
 
 from reactor_dist import (
@@ -107,12 +108,15 @@ def test_segfault_is_a_crash_with_the_faulthandler_dump():
 
 def test_death_while_idle_is_seen_by_healthy_and_the_next_call():
     with runner_for(2) as runner:
-        pid = runner._group.ranks[1].pid
+        pid = Probe(runner).rank_pids[1]
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 2
         while runner.healthy and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not runner.healthy
+        assert not runner.healthy  # reading it changes nothing: the call reports the death
+        with pytest.raises(WorkerCrashed, match="rank 1 died during an idle moment"):
+            runner.generate(1)
         with pytest.raises(RuntimeError, match="unusable.*WorkerCrashed.*rank 1 died"):
             runner.generate(1)
 
@@ -155,7 +159,7 @@ def test_load_error_is_raised_by_start_and_leaves_nothing(world_size):
     with pytest.raises(FileNotFoundError, match=expected) as info:
         runner.start()
     assert "remote traceback" in str(info.value.__cause__)
-    assert runner._group.ranks == []
+    assert Probe(runner).rank_pids == []
     assert_unusable(runner, FileNotFoundError)
 
 

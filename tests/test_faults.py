@@ -65,6 +65,7 @@ import time
 import numpy as np
 import pytest
 from conftest import live_descendants, our_shm_entries, wait_gone
+from probe import Probe
 from sample_workers import (
     FAULT_MEANS,
     ChildSpawningWorker,
@@ -151,11 +152,7 @@ def assert_usable(runner: DistributedRunner) -> None:
 
 
 def processes_of(runner: DistributedRunner) -> list[int]:
-    pids = []
-    for r in runner._group.ranks:
-        pids.append(r.pid)
-        pids.extend(p.pid for p in r.descendants())
-    return pids
+    return Probe(runner).processes()
 
 
 def assert_nothing_left(pids, ipc_dir, prefix, baseline: set[int]) -> None:
@@ -209,7 +206,7 @@ def test_fault_matrix(phase, rank, means, tmp_path, capfd):
     stamp_dir = str(tmp_path)
     baseline = {p.pid for p in live_descendants()}
     runner = fault_runner(phase, rank, means, stamp_dir)
-    prefix = runner._group.shm_prefix
+    prefix = Probe(runner).shm_prefix
     try:
         if phase in ("group", "load"):
             check_start_fault(runner, phase, rank, means, outcome, stamp_dir, baseline)
@@ -217,7 +214,7 @@ def test_fault_matrix(phase, rank, means, tmp_path, capfd):
             return
         runner.start()
         assert runner.generate("warm") == "warm"
-        pids, ipc_dir = processes_of(runner), runner._group.ipc_dir
+        pids, ipc_dir = processes_of(runner), Probe(runner).ipc_dir
         if outcome == "clean_shutdown":
             check_shutdown_fault(runner, rank, means, capfd)
         elif outcome == "caller_hangs":
@@ -255,7 +252,7 @@ def check_start_fault(runner, phase, rank, means, outcome, stamp_dir, baseline) 
         silent = "0, 1" if phase == "group" else str(rank)
         assert f"no answer from rank {silent} within {timeout:g} s during start()" in str(exc)
         assert timeout <= elapsed < timeout + 1.0
-    assert runner._group.ranks == []
+    assert Probe(runner).rank_pids == []
     left = [p.pid for p in live_descendants() if p.pid not in baseline]
     assert wait_gone(left, timeout=0.5) == [], "start() left processes behind"
     assert_unusable(runner, type(exc))
@@ -337,14 +334,15 @@ CALLER_DIES_APP = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import numpy as np
     from sample_workers import FaultWorker
+    from probe import Probe
     from reactor_dist import DistributedRunner
 
     runner = DistributedRunner(FaultWorker, world_size=2, init_process_group=False,
                                device="cpu", call_timeout=30)
     runner.start()
-    group = runner._group
-    print(json.dumps({{"ranks": [r.pid for r in group.ranks], "prefix": group.shm_prefix,
-                       "ipc": group.ipc_dir}}), flush=True)
+    probe = Probe(runner)
+    print(json.dumps({{"ranks": probe.rank_pids, "prefix": probe.shm_prefix,
+                       "ipc": probe.ipc_dir}}), flush=True)
     fault = {{"phase": "result_unpickle", "rank": "caller", "means": {means!r},
               "caller_pid": os.getpid()}}
     runner.generate({{"fault": fault, "result": "unpickle", "on_rank": {rank},
@@ -443,7 +441,7 @@ def test_ctrl_c_reaches_the_caller_at_once_and_the_runner_stays_usable(call_time
             big = runner.generate({"op": "array", "shape": [8 << 20], "fill": 2})
             assert int(big[0]) == 2 and int(big[-1]) == 2
             del big
-            usage.append(shm_usage(runner._group.shm_prefix))
+            usage.append(shm_usage(Probe(runner).shm_prefix))
         # Discarded results went back to the pools: /dev/shm does not grow per interrupt.
         assert usage[-1][0] <= usage[0][0] and usage[-1][1] <= usage[0][1], usage
         assert runner.generate("last") == "last"
@@ -575,8 +573,8 @@ def test_ctrl_c_during_a_slow_shutdown_still_ends_everything():
     runner = DistributedRunner(FaultWorker, world_size=2, load_kwargs={"fault": fault},
                                init_process_group=False, device="cpu", shutdown_grace=30)
     runner.start()
-    pids, ipc_dir = processes_of(runner), runner._group.ipc_dir
-    prefix = runner._group.shm_prefix
+    pids, ipc_dir = processes_of(runner), Probe(runner).ipc_dir
+    prefix = Probe(runner).shm_prefix
     runner.generate({"big": BIG})
     with interrupt_after(0.3):
         started = time.monotonic()
@@ -597,7 +595,7 @@ def test_shutdown_ends_what_a_crashed_rank_started_even_outside_its_group(victim
                            device="cpu") as runner:
         detached = runner.generate({"op": "spawn_detached"})
         child = runner.generate({"op": "spawn_child"})
-        assert os.getsid(detached) != os.getsid(runner._group.ranks[0].pid)
+        assert os.getsid(detached) != os.getsid(Probe(runner).rank_pids[0])
         with pytest.raises(WorkerCrashed):
             runner.generate({"op": "signal", "ranks": [victim], "sig": int(signal.SIGKILL)})
         others = processes_of(runner)

@@ -21,12 +21,14 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from probe import Probe
 from sample_workers import ScriptedWorker
 
-from reactor_dist import DistributedRunner, wire
+from reactor_dist import DistributedRunner, protocol, wire
+from reactor_dist.protocol import DESCRIPTORS, EMBEDDED, KIND, RANK, SEQ, STATUS
 
 SECRET = bytes(range(32))
-KINDS = sorted(wire.KINDS)
+KINDS = sorted(protocol.KINDS)
 FUZZ = settings(max_examples=400, deadline=1000, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])
 
@@ -39,7 +41,7 @@ msgpack_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2 ** 63), 2 ** 64 - 1) | st.floats()
     | st.text(max_size=20) | st.binary(max_size=20),
     lambda inner: st.lists(inner, max_size=5)
-    | st.dictionaries(st.text(max_size=5) | st.sampled_from(["k", "s", "r", "p"]), inner,
+    | st.dictionaries(st.text(max_size=5) | st.sampled_from([KIND, SEQ, RANK, EMBEDDED]), inner,
                       max_size=5),
     max_leaves=25)
 
@@ -51,10 +53,10 @@ number = st.integers(0, 4).flatmap(
 # Mostly valid kind/seq/rank fields (so the accepting path is fuzzed too), sometimes a
 # wrong type or a missing one, plus whatever else a header might carry.
 headers = st.tuples(
-    st.fixed_dictionaries({"k": kind, "s": number, "r": number}),
-    st.sets(st.sampled_from("ksr"), max_size=1),
-    st.dictionaries(st.text(max_size=4) | st.just("p"), msgpack_values | st.binary(max_size=20),
-                    max_size=3),
+    st.fixed_dictionaries({KIND: kind, SEQ: number, RANK: number}),
+    st.sets(st.sampled_from([KIND, SEQ, RANK]), max_size=1),
+    st.dictionaries(st.text(max_size=4) | st.just(EMBEDDED),
+                    msgpack_values | st.binary(max_size=20), max_size=3),
 ).map(lambda t: {**t[2], **{k: v for k, v in t[0].items() if k not in t[1]}})
 
 
@@ -71,12 +73,12 @@ def check(parts) -> None:
         assert str(exc)  # a clear internal error, never an empty one
         return
     assert isinstance(header, dict)
-    assert header["k"] in wire.KINDS and "p" not in header
-    assert type(header["s"]) is int and type(header["r"]) is int
+    assert header[KIND] in protocol.KINDS and EMBEDDED not in header
+    assert type(header[SEQ]) is int and type(header[RANK]) is int
     frames = [bytes(memoryview(p)) for p in parts[1:]]
     sent = msgpack.unpackb(bytes(memoryview(parts[0]))[wire.MAC_SIZE:])
-    if "p" in sent:  # a small first body frame rides in the header
-        frames.insert(0, sent["p"])
+    if EMBEDDED in sent:  # a small first body frame rides in the header
+        frames.insert(0, sent[EMBEDDED])
     assert [bytes(memoryview(b)) for b in body] == frames
 
 
@@ -109,8 +111,8 @@ def test_header_maps_near_the_valid_ones(header, body):
 @given(st.sampled_from(KINDS), st.integers(0, 2 ** 63 - 1), st.integers(-1, 7),
        st.binary(min_size=1, max_size=200), st.integers(0, 10 ** 6), st.integers(0, 255))
 def test_any_alteration_of_an_authentic_message_is_rejected(kind, seq, rank, payload, at, bit):
-    parts = wire.pack(SECRET, {"k": kind, "s": seq, "r": rank}, [payload])
-    assert wire.unpack(SECRET, parts)[0] == {"k": kind, "s": seq, "r": rank}
+    parts = wire.pack(SECRET, {KIND: kind, SEQ: seq, RANK: rank}, [payload])
+    assert wire.unpack(SECRET, parts)[0] == {KIND: kind, SEQ: seq, RANK: rank}
     flat = bytearray(b"".join(parts))
     at %= len(flat)
     flat[at] ^= 1 << (bit % 8)
@@ -143,8 +145,9 @@ def random_message(rng: random.Random) -> list[bytes]:
     choice = rng.randrange(5)
     if choice == 0:
         return [rng.randbytes(rng.randrange(100)) for _ in range(rng.randrange(1, 6))]
-    header = {"k": rng.choice(KINDS), "s": rng.randrange(100), "r": rng.randrange(-1, 3),
-              "st": rng.choice([wire.OK, wire.RAISED, wire.UNDELIVERABLE]), "d": []}
+    header = {KIND: rng.choice(KINDS), SEQ: rng.randrange(100), RANK: rng.randrange(-1, 3),
+              STATUS: rng.choice([protocol.OK, protocol.RAISED, protocol.UNDELIVERABLE]),
+              DESCRIPTORS: []}
     head = msgpack.packb(header)
     if choice == 1:   # signed with the wrong secret
         return wire.pack(rng.randbytes(32), header, [rng.randbytes(20)])
@@ -161,7 +164,7 @@ def foreign_push(runner):
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
-    push.connect(f"ipc://{runner._group.ipc_dir}/reply")
+    push.connect(f"ipc://{Probe(runner).ipc_dir}/reply")
     try:
         yield push
     finally:

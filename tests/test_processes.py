@@ -12,6 +12,7 @@ import threading
 import numpy as np
 import psutil
 from conftest import wait_gone
+from probe import Probe
 from sample_workers import ScriptedWorker
 
 from reactor_dist import DistributedRunner
@@ -46,8 +47,7 @@ def test_launch_prefix_keeps_the_rank_pid_watched(log_dir):
     prefix = ["env", "PREFIXED={rank}"]
     with fast_runner(2, load_kwargs={"log_dir": log_dir}, launch_prefix=prefix) as runner:
         runner.generate("x")
-        pids = [r.pid for r in runner._group.ranks]
-        launchers = [r.launcher_pid for r in runner._group.ranks]
+        pids, launchers = Probe(runner).rank_pids, Probe(runner).launcher_pids
     # env(1) execs the launcher, so the wrapped rank keeps its pid
     assert pids == launchers
 
@@ -113,10 +113,10 @@ def test_a_child_process_of_a_worker_ends_with_the_rank():
 def test_private_directory_is_0700_and_removed():
     runner = fast_runner(1)
     runner.start()
-    ipc_dir = runner._group.ipc_dir
+    ipc_dir = Probe(runner).ipc_dir
     assert stat.S_IMODE(os.stat(ipc_dir).st_mode) == 0o700
     assert sorted(os.listdir(ipc_dir)) == ["cmd", "reply"]
-    pids = [r.pid for r in runner._group.ranks]
+    pids = Probe(runner).rank_pids
     runner.shutdown()
     assert not os.path.exists(ipc_dir)
     assert wait_gone(pids) == []
@@ -182,12 +182,9 @@ def test_torchrun_style_model_forms_its_own_group_from_the_environment():
 def test_a_command_cut_short_by_ctrl_c_cannot_swallow_the_next():
     """A KeyboardInterrupt between the frames of a published command leaves a half
     message on the PUB socket; the next publish ends it first (the ranks reject it)."""
-    import zmq
 
     with fast_runner(2, call_timeout=5) as runner:
         assert runner.generate("before") == "before"
-        group = runner._group
-        group.pub.send(b"half of an interrupted command", zmq.SNDMORE)
-        group.pub_open = True  # what publish() leaves behind when interrupted mid-send
+        Probe(runner).cut_a_command_short()
         assert runner.generate("after") == "after"
         assert runner.healthy

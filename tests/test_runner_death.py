@@ -24,6 +24,7 @@ import numpy as np
 import psutil
 import pytest
 from conftest import wait_gone
+from probe import Probe
 from sample_workers import ScriptedWorker
 
 from reactor_dist import DistributedRunner, shm
@@ -36,6 +37,7 @@ APP = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import numpy as np
     from sample_workers import ChildSpawningWorker
+    from probe import Probe
     from reactor_dist import DistributedRunner
 
     mode, log_dir = sys.argv[1], sys.argv[2]
@@ -44,13 +46,13 @@ APP = textwrap.dedent("""
         load_kwargs["hang_load_on"] = [1]
     runner = DistributedRunner(ChildSpawningWorker, world_size=2, init_process_group=False,
                                device="cpu", call_timeout=600, load_kwargs=load_kwargs)
-    group = runner._group
-    print(json.dumps({{"prefix": group.shm_prefix}}), flush=True)
+    probe = Probe(runner)
+    print(json.dumps({{"prefix": probe.shm_prefix}}), flush=True)
     runner.start()
     children = [runner.generate({{"op": "spawn_child"}}),
                 runner.generate({{"op": "spawn_detached"}})]
     held = runner.generate({{"op": "array", "shape": [8 << 20]}})  # a result segment, held
-    print(json.dumps({{"ipc": group.ipc_dir, "ranks": [r.pid for r in group.ranks],
+    print(json.dumps({{"ipc": probe.ipc_dir, "ranks": probe.rank_pids,
                        "children": children}}), flush=True)
     if mode == "idle":
         print("idle", flush=True)
@@ -180,7 +182,7 @@ def test_sigkill_of_the_application_during_start(apps):
     deadline = time.monotonic() + 30
     ranks: list[psutil.Process] = []
     while time.monotonic() < deadline and len(ranks) < 2:
-        ranks = [p for p in app.tree() if "reactor_dist.launcher" in " ".join(p.cmdline())]
+        ranks = [p for p in app.tree() if "reactor_dist.rank" in " ".join(p.cmdline())]
         time.sleep(0.05)
     assert len(ranks) == 2
     time.sleep(0.5)  # let them get into load()
@@ -223,7 +225,7 @@ def test_reclaim_dead_owners_removes_only_entries_of_dead_owners(apps):
         made = [dead, reused, alive, init, *foreign]
         with DistributedRunner(ScriptedWorker, world_size=1, init_process_group=False,
                                device="cpu") as runner:  # start() reclaims
-            ours = runner._group.shm_prefix
+            ours = Probe(runner).shm_prefix
             runner.generate(np.ones(1 << 20, np.uint8))
             assert our_entries(ours)
             shm.reclaim_dead_owners(shm.DEFAULT_DIR)  # and again, with our runner live

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import psutil
 import pytest
+from probe import Probe
 from sample_workers import ScriptedWorker
 
 from reactor_dist import DistributedRunner, shm
@@ -38,11 +39,11 @@ def snapshot(runner: DistributedRunner) -> dict[str, int]:
     time.sleep(0.05)  # let the ranks finish their after-reply bookkeeping
     me = psutil.Process()
     values = {"runner rss": me.memory_info().rss, "runner fds": me.num_fds()}
-    for r in runner._group.ranks:
-        p = psutil.Process(r.pid)
-        values[f"rank {r.rank} rss"] = p.memory_info().rss
-        values[f"rank {r.rank} fds"] = p.num_fds()
-    values["shm entries"], values["shm bytes"] = shm_usage(runner._group.shm_prefix)
+    for rank, pid in enumerate(Probe(runner).rank_pids):
+        p = psutil.Process(pid)
+        values[f"rank {rank} rss"] = p.memory_info().rss
+        values[f"rank {rank} fds"] = p.num_fds()
+    values["shm entries"], values["shm bytes"] = shm_usage(Probe(runner).shm_prefix)
     return values
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import our_shm_entries
+from probe import Probe
 from sample_workers import ScriptedWorker
 
 from reactor_dist import DistributedRunner, SharedSlotAllocationFailed, WorkerCrashed, shm
@@ -151,17 +152,19 @@ def test_tensor_requires_grad_survives(echo2):
 
 def test_large_payloads_never_travel_in_band():
     from reactor_dist import transfer
+    from reactor_dist.ledger import Ledger
+    from reactor_dist.protocol import SEGMENT
 
-    pool = shm.SlotPool(shm.DEFAULT_DIR, shm.new_runner_prefix(), "t")
+    ledger = Ledger(shm.DEFAULT_DIR, shm.new_runner_prefix(), "t")
     try:
         value = {"a": np.ones((100, 1000)), "t": torch.ones(50_000),
                  "s": np.ones((1000, 1000))[:, ::2]}
-        descriptors, frames, used = transfer.encode(value, pool, "test", holders=["me"])
+        descriptors, frames, used = transfer.encode(value, ledger, "test", holders=["me"])
         assert len(frames[0]) < 1024  # the pickle stream holds descriptors only
-        assert [d[0] for d in descriptors] == [transfer.SEGMENT] * 3
+        assert [d.place for d in descriptors] == [SEGMENT] * 3
         assert len(used) == 1  # one copy segment for all of them
     finally:
-        pool.close()
+        ledger.close()
 
 
 def test_each_rank_may_write_its_input_unseen_by_the_others(echo2):
@@ -254,7 +257,7 @@ def test_no_leak_after_sigkill_of_a_rank_mid_transfer():
     runner.start()
     big = np.ones(64 << 20, np.uint8)
     runner.generate(big)
-    pid = runner._group.ranks[1].pid
+    pid = Probe(runner).rank_pids[1]
 
     import threading
 
@@ -267,7 +270,7 @@ def test_no_leak_after_sigkill_of_a_rank_mid_transfer():
     finally:
         killer.join()
         runner.shutdown()
-    prefix = runner._group.shm_prefix + "."
+    prefix = Probe(runner).shm_prefix + "."
     assert [n for n in os.listdir(shm.DEFAULT_DIR) if n.startswith(prefix)] == []
 
 
@@ -305,7 +308,7 @@ def test_a_real_64mb_dev_shm_like_dockers_default(tmp_path):
 
 def test_module_runner_leaves_nothing(echo2):
     """Last test of the module: after shutdown, nothing of the shared runner is left."""
-    pids = [r.pid for r in echo2._group.ranks]
+    pids = Probe(echo2).rank_pids
     echo2.shutdown()
     time.sleep(0.05)
     from conftest import wait_gone

@@ -37,9 +37,22 @@ import time
 import msgpack
 import numpy as np
 import pytest
+from probe import Probe
 from sample_workers import ScriptedWorker
 
 from reactor_dist import DistributedRunner, shm, wire
+from reactor_dist.protocol import (
+    CALL,
+    DESCRIPTORS,
+    EMBEDDED,
+    KIND,
+    OK,
+    RANK,
+    REPLIES,
+    REPLY,
+    SEQ,
+    STATUS,
+)
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
@@ -96,11 +109,11 @@ FOREIGNER = textwrap.dedent("""
                 for key in (None, b"", b"\\0" * 32):
                     ok = {"k": "reply", "s": s, "r": r, "st": "ok", "d": []}
                     raised = {"k": "reply", "s": s, "r": r, "st": "raised",
-                              "e": {"type": "X", "message": "m", "traceback": "t"}}
+                              "e": ["X", "m", "t"]}
                     messages.append(forged(ok, [EVIL], key))
                     messages.append(forged(raised, [EVIL], key))
                     messages.append(forged({"k": "ready", "s": 0, "r": r, "st": "raised",
-                                            "e": {"type": "X", "message": "", "traceback": ""}},
+                                            "e": ["X", "", ""]},
                                            [EVIL], key))
         messages += [[b""], [b"x" * 32], [EVIL], [b"\\0" * 32 + EVIL], [os.urandom(1 << 20)],
                      [os.urandom(rng.randrange(64)) for _ in range(10)]]
@@ -169,14 +182,14 @@ def test_forged_replayed_and_garbage_messages_are_never_unpickled(tmp_path, monk
         except wire.ProtocolError as exc:
             rejected.append(str(exc))
             raise
-        if header["k"] not in wire.REPLIES:
-            dropped.append(header["k"])
+        if header[KIND] not in REPLIES:
+            dropped.append(header[KIND])
         return header, body
 
     monkeypatch.setattr(wire.Channel, "unpack", counting_unpack)
     with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
                            device="cpu", call_timeout=10) as runner:
-        foreigner = Foreigner(tmp_path, runner._group.ipc_dir, evil_path)
+        foreigner = Foreigner(tmp_path, Probe(runner).ipc_dir, evil_path)
         try:
             foreigner.expect("connected")
             deadline = time.monotonic() + 10
@@ -212,7 +225,7 @@ def test_forged_replayed_and_garbage_messages_are_never_unpickled(tmp_path, monk
     assert not os.path.exists(evil_path), "a stranger's pickle was loaded"
     # Everything the stranger sent was read and refused (so the test is not vacuous):
     # the replays authenticate but are commands, all the rest fails the MAC check.
-    assert dropped.count(wire.CALL) == 2 * 2
+    assert dropped.count(CALL) == 2 * 2
     assert len(rejected) == sent - 4, (len(rejected), sent)
     assert all("MAC" in r or "empty" in r or "no room" in r for r in rejected), set(rejected)
 
@@ -226,9 +239,9 @@ def secret_forms(secret: bytes) -> list[bytes]:
 def test_secret_never_in_a_command_line_or_environment():
     with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
                            device="cpu") as runner:
-        secret = runner._group.secret
+        secret = Probe(runner).secret
         assert len(secret) == wire.SECRET_SIZE
-        pids = [r.pid for r in runner._group.ranks] + [os.getpid()]
+        pids = Probe(runner).rank_pids + [os.getpid()]
         for pid in pids:
             for what in ("cmdline", "environ"):
                 with open(f"/proc/{pid}/{what}", "rb") as f:
@@ -242,7 +255,7 @@ def test_secret_never_in_a_command_line_or_environment():
 def test_shm_entries_are_0600_and_the_ipc_directory_0700():
     with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
                            device="cpu") as runner:
-        group = runner._group
+        group = Probe(runner)
         held = [runner.generate(np.ones(4 << 20, np.uint8)),                     # input+result
                 runner.generate({"op": "shared", "shape": [4 << 20], "fill": 3})]  # shared_empty
         entries = [n for n in os.listdir(shm.DEFAULT_DIR) if n.startswith(group.shm_prefix + ".")]
@@ -262,10 +275,10 @@ def test_shm_entries_are_0600_and_the_ipc_directory_0700():
                                     "add_frame", "swap_key"])
 def test_an_authentic_message_altered_in_any_way_is_rejected(tamper, stream):
     secret = os.urandom(wire.SECRET_SIZE)
-    parts = wire.pack(secret, {"k": wire.REPLY, "s": 7, "r": 0, "st": wire.OK, "d": []},
+    parts = wire.pack(secret, {KIND: REPLY, SEQ: 7, RANK: 0, STATUS: OK, DESCRIPTORS: []},
                       [stream, b"buffer"])
     header, body = wire.unpack(secret, parts)
-    assert header["s"] == 7 and body == [stream, b"buffer"]
+    assert header[SEQ] == 7 and body == [stream, b"buffer"]
     assert len(parts) == (2 if len(stream) <= wire.EMBED_LIMIT else 3)
     parts = [bytearray(p) for p in parts]
     if tamper == "flip_mac":
@@ -288,7 +301,7 @@ def test_a_one_frame_message_and_its_split_form_have_different_macs():
     """The MAC of a lone header frame and of length-prefixed frames are personalized
     differently, so no frame split can turn one authentic message into another."""
     secret = os.urandom(wire.SECRET_SIZE)
-    (frame,) = wire.pack(secret, {"k": wire.REPLY, "s": 7, "r": 0}, [b"tiny"])
+    (frame,) = wire.pack(secret, {KIND: REPLY, SEQ: 7, RANK: 0}, [b"tiny"])
     head = frame[wire.MAC_SIZE:]
     assert wire._mac(secret, [head]) != wire._mac(secret, [head[:5], head[5:]])
     assert wire._mac(secret, [head]) != wire._mac(secret, [head, b""])
@@ -296,6 +309,6 @@ def test_a_one_frame_message_and_its_split_form_have_different_macs():
 
 def test_an_embedded_body_that_is_not_bytes_is_rejected():
     secret = os.urandom(wire.SECRET_SIZE)
-    head = msgpack.packb({"k": wire.REPLY, "s": 7, "r": 0, "p": "text"}, use_bin_type=True)
+    head = msgpack.packb({KIND: REPLY, SEQ: 7, RANK: 0, EMBEDDED: "text"}, use_bin_type=True)
     with pytest.raises(wire.ProtocolError, match="embedded body frame is str"):
         wire.unpack(secret, [wire._mac(secret, [head]) + head])

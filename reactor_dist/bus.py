@@ -1,0 +1,91 @@
+"""The runner's end of the message bus: PUB for commands, PULL for replies.
+
+Both sockets are bound on ``ipc://`` paths in the runner's private directory
+(mode 0700).  The death watch's notices arrive on the PULL socket too (over
+inproc), so that waiting for a call's replies is one blocking receive, which a
+death also wakes.  Every message is authenticated (:mod:`reactor_dist.wire`)
+before anything in it is decoded; what is not ours is dropped unread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import zmq
+
+from . import wire
+from .protocol import DEATH, KIND, RANK, SEQ, TO_RUNNER
+
+# A wait may end this much before or after its deadline: a call's second receive then
+# keeps the first one's RCVTIMEO instead of setting it anew.
+TIMEOUT_SLACK_MS = 5
+FOREVER_MS = 1 << 62
+
+
+class Bus:
+    """The runner's two sockets; used from the caller's thread (under the runner's lock),
+    but for :meth:`tell_death`, which the death watch's thread calls."""
+
+    def __init__(self, secret: bytes, ipc_dir: str, world_size: int) -> None:
+        self.secret, self.world_size = secret, world_size
+        self.channel = wire.Channel(secret)
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        # One call at a time keeps each rank's queue a few messages deep; the bound only
+        # stops a stray subscriber that never reads from growing our memory.
+        self.pub.setsockopt(zmq.SNDHWM, 1000)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.cmd_addr = f"ipc://{ipc_dir}/cmd"
+        self.pub.bind(self.cmd_addr)
+        self._pub_send = wire.direct_send(self.pub)
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.reply_addr = f"ipc://{ipc_dir}/reply"
+        self.pull.bind(self.reply_addr)
+        self.death_addr = f"inproc://reactor-dist-deaths-{id(self):x}"
+        self.pull.bind(self.death_addr)
+        self._pub_open = False  # a multipart command is half-sent (interrupted)
+        self._pull_timeout = -1  # the PULL socket's RCVTIMEO, in ms
+
+    def publish(self, header: dict[str, Any], body: list | tuple = ()) -> None:
+        """Send one command to every rank."""
+        header[RANK] = -1
+        frames = self.channel.pack(header, body)
+        if self._pub_open:
+            # A Ctrl-C cut the last command short: end that message with an empty frame
+            # (the ranks reject it: its MAC fails) so it cannot swallow this one.
+            self.pub.send(b"")
+        self._pub_open = True
+        wire.send(self._pub_send, frames)
+        self._pub_open = False
+
+    def receive(self, wait_ms: int) -> tuple[dict, list] | None:
+        """The next message if it is an authentic reply or death notice; None when
+        ``wait_ms`` (-1: no limit) passed first or the message is not ours."""
+        want = wait_ms if wait_ms >= 0 else FOREVER_MS
+        have = self._pull_timeout if self._pull_timeout >= 0 else FOREVER_MS
+        if abs(want - have) > TIMEOUT_SLACK_MS:  # most calls keep the last setting
+            self.pull.setsockopt(zmq.RCVTIMEO, wait_ms)
+            self._pull_timeout = wait_ms
+        try:
+            header, body = self.channel.recv(self.pull)
+        except (zmq.Again, wire.ProtocolError):
+            return None
+        if header[KIND] not in TO_RUNNER or not 0 <= header[RANK] < self.world_size:
+            return None
+        return header, body
+
+    def tell_death(self, ranks: list[int]) -> None:
+        """In the death watch's thread: wake the caller's wait with a notice."""
+        with contextlib.suppress(zmq.ZMQError):
+            push = self.ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 1000)
+            push.connect(self.death_addr)
+            wire.Channel(self.secret).send(push.send, {KIND: DEATH, SEQ: 0, RANK: ranks[0]})
+            push.close()
+
+    def close(self) -> None:
+        self.pub.close(linger=0)
+        self.pull.close(linger=0)
+        self.ctx.term()

@@ -1,0 +1,162 @@
+"""Who holds which shared-memory segment: one vocabulary on both sides of the bus.
+
+A segment is **owned** by the side that created it: the runner owns the input
+segments, rank 0 owns the result segments.  The other side **maps** them.
+
+- **hold**: a holder takes a segment (a rank will read an input; the caller will
+  view a result; rank 0's worker wrote into a ``shared_empty`` array).
+- **release**: a holder is done with it.  The mapping side's releases travel to
+  the owner in the RELEASED field of its next message.
+- **retire**: the owner unlinks an idle segment beyond the few it keeps warm.  Its
+  retirements travel in the RETIRED field of its next message, and the mapping
+  side unmaps them.
+
+Why pools at all: a fresh 97 MB segment costs several memcpys' worth of page
+faults, and even mapping an existing one costs about one.  So both sides keep
+their segments mapped and reuse them; a segment is reused only once every holder
+released it, so reuse never hands out memory somebody still reads.
+
+Releases often come from a finalizer (an array was collected), which may run in
+any thread at any moment: :meth:`Ledger.release` and the mapped bases' finalizers
+only append to a queue, which the owning thread applies at its next operation.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+import numpy as np
+
+from .shm import GRANULE, Segment, SharedSlotAllocationFailed
+
+
+class Ledger:
+    """The segments one side owns and lends out; ``keep_free`` idle ones stay warm."""
+
+    def __init__(self, directory: str, prefix: str, tag: str, keep_free: int = 2) -> None:
+        self.directory, self.prefix, self.tag, self.keep_free = directory, prefix, tag, keep_free
+        self.segments: dict[str, Segment] = {}
+        self.holders: dict[str, Counter] = {}  # name -> who still holds it; empty = idle
+        self.idle: list[str] = []  # oldest first
+        self._pending: collections.deque[tuple[str, Hashable]] = collections.deque()
+        self._retired: list[str] = []
+        self._counter = 0
+
+    def acquire(self, nbytes: int, what: str, holders: Iterable[Hashable]) -> Segment:
+        """An idle segment of at least ``nbytes`` (smallest fit) or a new one, held by
+        ``holders``; SharedSlotAllocationFailed when /dev/shm cannot hold it."""
+        self._apply_releases()
+        fits = [n for n in self.idle if self.segments[n].size >= nbytes]
+        if fits:
+            name = min(fits, key=lambda n: self.segments[n].size)
+            self.idle.remove(name)
+        else:
+            self._counter += 1
+            name = f"{self.prefix}.{self.tag}{self._counter}"
+            size = max(GRANULE, (nbytes + GRANULE - 1) // GRANULE * GRANULE)
+            try:
+                self.segments[name] = Segment.create(self.directory, name, size, what)
+            except SharedSlotAllocationFailed:
+                if not self.idle:  # idle segments that do not fit are worth less
+                    raise
+                self._retire(keep=0)
+                self.segments[name] = Segment.create(self.directory, name, size, what)
+        self.holders[name] = Counter(holders)
+        return self.segments[name]
+
+    def hold(self, name: str, holder: Hashable) -> None:
+        self.holders[name][holder] += 1
+
+    def release(self, name: str, holder: Hashable) -> None:
+        """``holder`` is done with ``name`` (safe to call from a finalizer)."""
+        self._pending.append((name, holder))
+
+    def take_retired(self) -> list[str]:
+        """The names retired since the last call, for the RETIRED field."""
+        self._apply_releases()
+        retired, self._retired = self._retired, []
+        return retired
+
+    def find(self, address: int, nbytes: int) -> tuple[Segment, int] | None:
+        """The segment (and offset) holding ``nbytes`` at ``address``, if one does."""
+        for seg in self.segments.values():
+            if seg.contains(address, nbytes):
+                return seg, address - seg.address
+        return None
+
+    def close(self) -> None:
+        self._pending.clear()
+        for seg in self.segments.values():
+            seg.close(unlink=True)
+        self.segments.clear()
+        self.holders.clear()
+        self.idle.clear()
+
+    def _apply_releases(self) -> None:
+        while self._pending:
+            name, holder = self._pending.popleft()
+            held = self.holders.get(name)
+            if held is None or held[holder] <= 0:
+                continue  # unknown, or released twice: never trust a peer's count
+            held[holder] -= 1
+            if held[holder] <= 0:
+                del held[holder]
+            if not held and name not in self.idle:
+                self.idle.append(name)
+        self._retire(self.keep_free)
+
+    def _retire(self, keep: int) -> None:
+        while len(self.idle) > keep:
+            name = self.idle.pop(0)
+            self.segments.pop(name).close(unlink=True)
+            del self.holders[name]
+            self._retired.append(name)
+
+
+class Mapped:
+    """The segments the other side owns, as mapped here.
+
+    :meth:`base` maps a segment once and hands out uint8 arrays over it; when such an
+    array is collected its release is queued for the owner (:meth:`take_released`).
+    ``opener(name)`` maps one segment and returns an object with ``buffer`` and
+    ``close()``; ``accept(name)`` says whether a name may be mapped at all.
+    """
+
+    def __init__(self, opener: Callable[[str], Any], accept: Callable[[str], bool]) -> None:
+        self._opener, self._accept = opener, accept
+        self.views: dict[str, Any] = {}
+        self._released: collections.deque[str] = collections.deque()
+
+    def base(self, name: str) -> np.ndarray:
+        view = self.views.get(name)
+        if view is None:
+            if not self._accept(name):
+                raise ValueError(f"a message names a foreign segment {name!r}")
+            view = self.views[name] = self._opener(name)
+        base = np.frombuffer(view.buffer, np.uint8)
+        weakref.finalize(base, self._released.append, name)
+        return base
+
+    def release(self, names: Iterable[str]) -> None:
+        """Release segments that were never mapped (a discarded answer's)."""
+        self._released.extend(names)
+
+    def take_released(self) -> list[str]:
+        """The names released since the last call, for the RELEASED field."""
+        released = self._released
+        return [released.popleft() for _ in range(len(released))]
+
+    def unmap(self, names: Iterable[str]) -> None:
+        """Drop these mappings (retired by the owner, or no longer fit for reuse)."""
+        for name in names:
+            view = self.views.pop(name, None) if isinstance(name, str) else None
+            if view is not None:
+                view.close()
+
+    def close(self) -> None:
+        self._released.clear()
+        self.unmap(list(self.views))

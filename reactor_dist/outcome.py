@@ -1,0 +1,75 @@
+"""The error contract as one pure function: what each rank did -> what the caller gets.
+
+=====================================================  ==============================  ==========
+what the ranks did in one call                         the caller gets                 runner
+=====================================================  ==============================  ==========
+every rank returned                                    rank 0's result                 healthy
+every rank raised the same exception type              rank 0's exception              healthy
+rank 0's result could not be delivered, others         that delivery error             healthy
+returned (it did not pickle, /dev/shm was full, it
+did not unpickle in the caller)
+some ranks raised, others returned                     RankDesync naming the first     unusable
+                                                       failing rank (``__cause__``)
+ranks raised different exception types                 RankDesync naming each type     unusable
+=====================================================  ==============================  ==========
+
+An undeliverable result on rank 0 beside other ranks' exceptions is judged as
+one more exception.  Crashes and timeouts never get here: the transport raises
+them while it waits (:mod:`reactor_dist.transport`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from .errors import RankDesync
+from .protocol import OK, RAISED, UNDELIVERABLE
+
+
+class Outcome(NamedTuple):
+    """What one rank did in one call, as the caller sees it."""
+
+    status: str  # protocol.OK, RAISED or UNDELIVERABLE
+    value: Any = None  # rank 0's decoded result, when every rank returned
+    error: BaseException | None = None  # the rank's exception, rebuilt in the caller
+    error_type: str = ""  # its type's name as the rank saw it
+
+
+RETURNED = Outcome(OK)
+
+
+class Verdict(NamedTuple):
+    value: Any
+    error: BaseException | None  # raise this, when set
+    breaks: bool  # the runner is unusable from now on
+
+
+def judge(method: str, outcomes: Sequence[Outcome]) -> Verdict:
+    """The caller's answer to one call whose every rank answered (index = rank)."""
+    world_size = len(outcomes)
+    if [o.status for o in outcomes].count(OK) == world_size:
+        return Verdict(outcomes[0].value, None, False)
+    failed = {r: o for r, o in enumerate(outcomes) if o.status == RAISED}
+    if outcomes[0].status == UNDELIVERABLE:
+        if not failed:  # every rank finished the step; only delivery failed: in step
+            return Verdict(None, outcomes[0].error, False)
+        failed = {0: outcomes[0], **failed}
+    if not failed:  # a status we do not know: the ranks did not all return
+        failed = {r: o for r, o in enumerate(outcomes) if o.status != OK}
+    errors = {r: o.error for r, o in failed.items()}
+    if len(failed) == world_size:
+        types = {r: o.error_type for r, o in failed.items()}
+        if len(set(types.values())) == 1:
+            return Verdict(None, errors[0], False)
+        named = ", ".join(f"rank {r} raised {t}" for r, t in types.items())
+        desync = RankDesync(f"ranks raised different exception types in {method}(): {named}")
+    else:
+        first = next(iter(failed))
+        returned = [r for r in range(world_size) if r not in failed]
+        desync = RankDesync(
+            f"rank {first} raised {failed[first].error_type} in {method}() while rank "
+            f"{', '.join(map(str, returned))} returned: the ranks are out of step")
+    desync.__cause__ = next(iter(errors.values()))
+    desync.rank_errors = errors  # type: ignore[attr-defined]
+    return Verdict(None, desync, True)

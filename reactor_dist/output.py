@@ -1,0 +1,117 @@
+"""A rank's stdout and stderr: forwarded line by line, the last lines kept.
+
+Both streams share one pipe.  A reader thread forwards each line to the
+application's stderr, prefixed ``[rank N]``, and keeps the last
+:data:`TAIL_LINES` for crash and timeout reports.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import os
+import select
+import struct
+import sys
+import termios
+import threading
+import time
+
+TAIL_LINES = 200  # enough for a faulthandler dump of every thread
+
+
+class RankOutput:
+    """The reader of one rank's output pipe."""
+
+    def __init__(self, rank: int, fd: int) -> None:
+        self.rank = rank
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.lines_seen = 0
+        self.last_output = 0.0  # monotonic time of the latest line
+        self._partial = b""
+        self._lock = threading.Lock()
+        self._fd = fd
+        self._reader = threading.Thread(target=self._pump, name=f"reactor-dist-rank{rank}-out",
+                                        daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        """Forward the rank's output; reads happen under a lock so that drain() can
+        take the rest of the pipe itself and know that nothing is half-processed."""
+        os.set_blocking(self._fd, False)
+        readable = select.poll()
+        readable.register(self._fd, select.POLLIN | select.POLLHUP)
+        while True:
+            readable.poll()
+            with self._lock:
+                if not self._read_some():
+                    break
+        with self._lock:
+            if self._partial:
+                self._emit(self._partial)
+                self._partial = b""
+
+    def _read_some(self) -> bool:
+        """Read what the pipe holds now; False at end of file."""
+        try:
+            data = os.read(self._fd, 65536)
+        except BlockingIOError:
+            return True  # drain() took it first
+        except OSError:
+            return False
+        if not data:
+            return False
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            self._emit(line)
+        return True
+
+    def _emit(self, raw: bytes) -> None:
+        line = raw.decode("utf-8", "replace").rstrip("\r")
+        self.tail.append(line)
+        self.lines_seen += 1
+        self.last_output = time.monotonic()
+        try:
+            sys.stderr.write(f"[rank {self.rank}] {line}\n")
+            sys.stderr.flush()
+        except Exception:
+            pass  # a closed stderr must not kill the pump
+
+    def _pending_bytes(self) -> int:
+        try:
+            return struct.unpack("i", fcntl.ioctl(self._fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+        except OSError:
+            return 0
+
+    def drain(self) -> None:
+        """Take in everything the rank wrote before it died (it is in the pipe by now)."""
+        with self._lock:
+            while self._pending_bytes() > 0 and self._read_some():
+                pass
+
+    def last_lines(self, n: int = 20) -> list[str]:
+        lines = list(self.tail)[-n:]
+        if self._partial:
+            lines.append(self._partial.decode("utf-8", "replace"))
+        return lines
+
+    def report_lines(self) -> list[str]:
+        """The last lines; after a fatal error (faulthandler's dump on SIGSEGV, SIGABRT,
+        ...) the lines before it, its cause and the crashing thread's stack, which the
+        dump of the other threads would otherwise push out of the last lines."""
+        lines = self.last_lines(TAIL_LINES)
+        fatal = max((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")),
+                    default=None)
+        if fatal is None:
+            return lines[-20:]
+        shown = lines[max(0, fatal - 5):fatal + 1]
+        current = next((i for i in range(fatal, len(lines))
+                        if lines[i].startswith("Current thread")), None)
+        if current is not None:
+            end = next((i for i in range(current, len(lines)) if not lines[i].strip()), len(lines))
+            shown += lines[current:end]
+        return shown
+
+    def join(self, timeout: float) -> None:
+        self._reader.join(timeout=timeout)

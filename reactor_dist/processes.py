@@ -1,0 +1,284 @@
+"""The rank processes: starting them, noticing a death, ending them.
+
+Each rank is a plain subprocess in a POSIX process group of its own, so that one
+``killpg`` ends the rank together with every process its worker started, and a
+terminal's Ctrl-C (sent to the foreground process group) does not reach it.  It
+stays in the caller's session: with the kernel's scheduler autogroups (one per
+session) a session of its own would cost every call about 15 us of cross-group
+wake-ups.  Its output goes through :class:`reactor_dist.output.RankOutput`.
+
+A death is noticed one way only: :class:`DeathWatch`, a thread that sleeps on the
+ranks' pidfds (and on a launcher's pidfd where a ``launch_prefix`` wraps it) and
+posts one notice at the first death, which wakes the runner's wait like a reply
+would.  Where a pidfd cannot be had it checks those ranks every 20 ms instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+
+from .output import RankOutput
+from .protocol import MARK_ENV
+
+# Python 3.10 has no process_group=: a new session also makes a new process group.
+OWN_PROCESS_GROUP: dict[str, Any] = (
+    {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True})
+POLL_MS = 20  # how often the watch checks ranks it has no pidfd for
+STACK_DUMP_WAIT = 0.5
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class RankProcess:
+    """One rank's subprocess and its output."""
+
+    def __init__(self, rank: int, cmd: list[str], env: dict[str, str], cwd: str,
+                 bootstrap: bytes) -> None:
+        self.rank = rank
+        self.mark = f"{os.getpid()}-{id(self):x}-{os.urandom(4).hex()}"
+        self.popen = subprocess.Popen(
+            cmd, env={**env, MARK_ENV: self.mark}, cwd=cwd, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, close_fds=True,
+            **OWN_PROCESS_GROUP,
+        )
+        self.pid = self.pgid = self.popen.pid
+        self.launcher_pid = self.pid  # differs when a launch_prefix wraps the rank
+        self.output = RankOutput(rank, self.popen.stdout.fileno())
+        try:  # The secret travels here, never in argv or the environment.
+            self.popen.stdin.write(bootstrap)
+            self.popen.stdin.close()
+        except BrokenPipeError:
+            pass  # died at once; the death notice tells the story
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def exit_description(self) -> str:
+        code = self.popen.poll()
+        if code is None:
+            return "still running"
+        if code < 0:
+            name = signal_name(-code)
+            hint = " (the kernel OOM killer sends this too)" if -code == signal.SIGKILL else ""
+            return f"killed by {name}{hint}"
+        return f"exited with code {code}"
+
+    def crash_report(self) -> str:
+        self.output.drain()
+        lines = self.output.report_lines()
+        shown = "\n".join(f"    {line}" for line in lines) if lines else "    (no output)"
+        return f"rank {self.rank} (pid {self.pid}) {self.exit_description()}; last output:\n{shown}"
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, sig)
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+
+    def close(self) -> None:
+        self.output.join(timeout=1.0)
+        with contextlib.suppress(Exception):
+            self.popen.stdout.close()
+
+
+class DeathWatch:
+    """The one death detector: a thread that calls ``on_death(ranks)`` once, at the
+    first death, and :meth:`dead`, which names the dead ranks without a system call
+    while none has died.  It owns the pidfds it watches."""
+
+    def __init__(self, on_death: Callable[[list[int]], None]) -> None:
+        self._on_death = on_death
+        self._fds: dict[int, int] = {}  # pidfd -> rank
+        self._unwatched: list[RankProcess] = []  # no pidfd: checked every POLL_MS
+        self.fired = False  # a rank has died (read by the caller's thread)
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(target=self._run, name="reactor-dist-death-watch",
+                                        daemon=True)
+        self._started = False
+
+    def watch(self, proc: RankProcess, pid: int | None = None) -> None:
+        """Watch ``proc``'s rank through ``pid`` (default: the rank's own process)."""
+        try:
+            self._fds[os.pidfd_open(pid or proc.pid)] = proc.rank
+        except (AttributeError, OSError):
+            if pid is None:
+                self._unwatched.append(proc)
+        if self._started:
+            os.write(self._wake_w, b"+")  # look at the new set
+        else:
+            self._started = True
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            fds = dict(self._fds)  # watch() may add to it meanwhile
+            waiting = select.poll()
+            for fd in (*fds, self._wake_r):
+                waiting.register(fd, select.POLLIN)
+            fired = [fd for fd, _ in waiting.poll(POLL_MS if self._unwatched else -1)]
+            if self._wake_r in fired:
+                if b"x" in os.read(self._wake_r, 4096):
+                    return
+                continue
+            dead = {fds[fd] for fd in fired} | \
+                {p.rank for p in self._unwatched if not p.alive()}
+            if dead:
+                self.fired = True
+                self._on_death(sorted(dead))
+                return
+
+    def dead(self) -> list[int]:
+        if not self.fired:
+            return []
+        fired = select.poll()
+        for fd in self._fds:
+            fired.register(fd, select.POLLIN)
+        dead = {self._fds[fd] for fd, _ in fired.poll(0)}
+        return sorted(dead | {p.rank for p in self._unwatched if not p.alive()})
+
+    def close(self) -> None:
+        """End the thread and close the pidfds; deaths are expected from here on."""
+        if self._wake_w < 0:
+            return
+        os.write(self._wake_w, b"x")
+        if self._started:
+            self._thread.join(timeout=5.0)
+        for fd in (*self._fds, self._wake_r, self._wake_w):
+            os.close(fd)
+        self._fds = {}
+        self._wake_r = self._wake_w = -1
+
+
+class Ranks:
+    """The rank processes of one runner."""
+
+    def __init__(self, on_death: Callable[[list[int]], None]) -> None:
+        self.procs: list[RankProcess] = []
+        self.watch = DeathWatch(on_death)
+
+    def spawn(self, rank: int, cmd: list[str], env: dict[str, str], bootstrap: bytes) -> None:
+        proc = RankProcess(rank, cmd, env, os.getcwd(), bootstrap)
+        self.procs.append(proc)
+        self.watch.watch(proc)
+
+    def found_launcher(self, rank: int, pid: Any) -> None:
+        """With a launch_prefix the rank's code may run in a grandchild: watch it too."""
+        proc = self.procs[rank]
+        if isinstance(pid, int) and pid != proc.pid:
+            proc.launcher_pid = pid
+            self.watch.watch(proc, pid)
+
+    def dead(self) -> list[int]:
+        return self.watch.dead()
+
+    def crash_report(self, dead: list[int]) -> str:
+        return "\n".join(self.procs[r].crash_report() for r in dead)
+
+    def stacks(self, silent: list[int]) -> str:
+        """Every thread's stack of each silent rank (faulthandler, on SIGUSR1)."""
+        procs = [self.procs[r] for r in silent]
+        seen = {p.rank: p.output.lines_seen for p in procs}
+        for p in procs:
+            with contextlib.suppress(OSError):
+                os.kill(p.launcher_pid, signal.SIGUSR1)
+        # Wait for the dumps: until each silent rank printed and then fell quiet.
+        deadline = time.monotonic() + STACK_DUMP_WAIT
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+            if all(p.output.lines_seen > seen[p.rank] and
+                   time.monotonic() - p.output.last_output > 0.03 for p in procs):
+                break
+        return "\n".join(
+            f"rank {p.rank} (pid {p.pid}), last output:\n" +
+            "\n".join(f"    {line}" for line in p.output.last_lines(30)) for p in procs)
+
+    def end(self, grace: float) -> None:
+        """Wait up to ``grace`` for a graceful exit, then end every rank for sure."""
+        self.watch.close()
+        if grace > 0:
+            wait_all_exit(self.procs, grace)
+        end_ranks(self.procs)
+        self.procs = []
+
+def wait_all_exit(ranks: list[RankProcess], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if not any(r.alive() for r in ranks):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+
+
+def marked_processes(marks: set[str], known: set[int]) -> list[psutil.Process]:
+    """Live processes (other than ``known``) whose environment carries one of ``marks``."""
+    found = []
+    for p in psutil.process_iter():
+        if p.pid in known or p.pid == os.getpid():
+            continue
+        with contextlib.suppress(psutil.Error):  # gone, a zombie, or not ours to read
+            if p.environ().get(MARK_ENV) in marks:
+                found.append(p)
+    return found
+
+
+def wait_ended(procs: list[psutil.Process], timeout: float) -> None:
+    """Until each process is gone or a zombie: dead, holding nothing, waiting only for
+    its new parent (init, which may reap lazily) to reap it."""
+    def running(p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + timeout
+    while any(running(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def end_ranks(ranks: list[RankProcess], term_grace: float = 2.0) -> None:
+    """SIGTERM each rank's process group, SIGKILL what is left, reap everything.
+
+    Descendants are listed first, so that a grandchild which left the process
+    group (setsid) is still found and killed; so are the processes carrying a
+    rank's mark, which the tree no longer leads to once their rank has died.
+    """
+    if not ranks:
+        return
+    strays = [p for r in ranks for p in r.descendants()]
+    strays += marked_processes({r.mark for r in ranks}, {p.pid for p in strays})
+    for r in ranks:
+        if r.alive():
+            r.signal_group(signal.SIGTERM)
+    wait_all_exit(ranks, term_grace)
+    for r in ranks:
+        r.signal_group(signal.SIGKILL)  # also reaches children of an already-dead rank
+    for p in strays:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    for r in ranks:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            r.popen.wait(timeout=5.0)
+    wait_ended(strays, timeout=2.0)
+    for r in ranks:
+        r.close()

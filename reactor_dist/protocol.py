@@ -1,0 +1,202 @@
+"""Every format that crosses a process boundary, named in one place.
+
+The runner and its ranks talk over two ZeroMQ sockets (framing and MAC in
+:mod:`reactor_dist.wire`); each message is a short msgpack header map plus body
+frames.  The message table (``->`` runner to every rank on PUB, ``<-`` one rank to
+the runner on PUSH/PULL)::
+
+    kind      dir  when                       header fields beyond KIND, SEQ, RANK
+    --------  ---  -------------------------  ---------------------------------------
+    ping      ->   handshake, every 20 ms     -
+    pong      <-   answer to the first ping   PID (the rank's own pid), PORT (rank 0's
+                                              rendezvous store, else 0)
+    init      ->   once every rank ponged     PORT (rank 0's store port)
+    ready     <-   load() returned or raised  STATUS, ERROR
+    call      ->   generate() / reset()       METHOD, DESCRIPTORS (input buffers),
+                                              RELEASED (result segments the caller let
+                                              go), RETIRED (input segments unlinked)
+    reply     <-   the method returned/raised STATUS, ERROR, DESCRIPTORS (rank 0's
+                                              result), RELEASED (input segments the
+                                              rank let go), RETIRED (result segments
+                                              rank 0 unlinked)
+    shutdown  ->   graceful shutdown          -
+    death     (inproc, the runner's death watch to its own PULL socket) RANK = who died
+
+SEQ is the call's sequence number (0 for ping/init/ready), RANK the sender (-1 for
+commands).  RELEASED always names segments owned by the *receiver*, RETIRED
+segments owned by the *sender*: one pair of fields in both directions.  Empty
+fields are left out.  The pickle stream of a payload is the first body frame;
+when small it rides in the header as EMBEDDED, so that the common message is one
+frame.  A header is a plain dict keyed by these constants: packing it costs no
+more than a literal.
+
+Besides messages: the :class:`Bootstrap` a rank reads from its stdin, the
+torchrun environment variables, the process mark (:data:`MARK_ENV`), and the names
+of /dev/shm entries and ipc directories (:func:`segment_prefix`, :data:`IPC_DIR_PREFIX`),
+which later runners parse to reclaim what a killed runner left.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, NamedTuple
+
+# -- framing (reactor_dist.wire): [MAC + header | body frames...] --------------------------
+MAC_SIZE = 32      # keyed BLAKE2b-256
+SECRET_SIZE = 32   # the per-runner key
+EMBED_LIMIT = 4096  # a first body frame up to this size travels inside the header
+MAC_ONE_FRAME, MAC_FRAMES = b"reactor-dist/1", b"reactor-dist/n"  # MAC personalizations
+
+# -- header fields ------------------------------------------------------------------------
+KIND = "k"
+SEQ = "s"
+RANK = "r"
+STATUS = "st"
+METHOD = "m"
+DESCRIPTORS = "d"
+ERROR = "e"
+EMBEDDED = "p"
+RELEASED = "rel"
+RETIRED = "ret"
+PID = "pid"
+PORT = "port"
+
+# -- kinds --------------------------------------------------------------------------------
+PING, INIT, CALL, SHUTDOWN = "ping", "init", "call", "shutdown"
+COMMANDS = frozenset({PING, INIT, CALL, SHUTDOWN})
+PONG, READY, REPLY = "pong", "ready", "reply"
+REPLIES = frozenset({PONG, READY, REPLY})
+DEATH = "death"
+KINDS = COMMANDS | REPLIES | {DEATH}
+TO_RUNNER = REPLIES | {DEATH}  # what the runner's PULL socket accepts
+
+# -- statuses of READY and REPLY ----------------------------------------------------------
+OK = "ok"                        # the method returned
+RAISED = "raised"                # the method (or decoding its input) raised
+UNDELIVERABLE = "undeliverable"  # rank 0 returned, but its result could not be sent
+
+# -- methods ------------------------------------------------------------------------------
+GENERATE, RESET = "generate", "reset"
+
+# -- payload buffers ----------------------------------------------------------------------
+INLINE, SEGMENT = 0, 1
+
+
+class Descriptor(NamedTuple):
+    """Where one out-of-band buffer of a payload lies (packs as a 5-item array)."""
+
+    place: int        # INLINE: a body frame; SEGMENT: a /dev/shm segment
+    where: int | str  # the body frame's index, or the segment's name
+    offset: int
+    nbytes: int
+    readonly: bool
+
+
+def segments_of(descriptors: Any) -> set[str]:
+    """The segment names a (possibly malformed) list of wire descriptors references."""
+    return {d[1] for d in descriptors or () if isinstance(d, (list, tuple)) and len(d) == 5
+            and d[0] == SEGMENT and isinstance(d[1], str)}
+
+
+class ErrorRecord(NamedTuple):
+    """What a rank sends about an exception beside its pickle (packs as an array):
+    enough to stand in for it when the pickle does not load in the caller."""
+
+    type: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def parse(cls, raw: Any) -> ErrorRecord:
+        if isinstance(raw, (list, tuple)) and len(raw) == 3 and all(isinstance(x, str)
+                                                                    for x in raw):
+            return cls(*raw)
+        return cls("<unknown>", f"malformed error record {raw!r}", "")
+
+
+# -- a rank's start ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkerRef:
+    """Where a fresh interpreter finds the worker class."""
+
+    module: str
+    qualname: str
+    main_module: str | None = None  # __main__ run as ``python -m main_module``
+    main_path: str | None = None    # __main__ run as ``python main_path``
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """Everything a rank needs, written to its stdin (length-prefixed pickle): the
+    secret never appears in argv or the environment."""
+
+    rank: int
+    world_size: int
+    secret: bytes
+    cmd_addr: str
+    reply_addr: str
+    runner_pid: int
+    shm_dir: str
+    shm_prefix: str
+    worker: WorkerRef
+    load_kwargs: bytes  # pickled apart, so that the bootstrap itself always loads
+    init_process_group: bool
+    device: str
+    start_timeout: float
+    keep_free: int
+    sys_path: list[str] = field(default_factory=list)
+
+    def to_bytes(self) -> bytes:
+        data = pickle.dumps(self, protocol=5)
+        return len(data).to_bytes(8, "little") + data
+
+    @classmethod
+    def read(cls, stream: BinaryIO) -> Bootstrap:
+        size = int.from_bytes(stream.read(8), "little")
+        data = stream.read(size)
+        if size == 0 or len(data) != size:
+            raise SystemExit("reactor-dist-worker: no bootstrap on stdin (it is started by "
+                             "DistributedRunner, not by hand)")
+        boot = pickle.loads(data)
+        if not isinstance(boot, cls):
+            raise SystemExit(f"reactor-dist-worker: stdin holds a {type(boot).__name__}, "
+                             f"not a bootstrap")
+        return boot
+
+
+def torchrun_env(rank: int, world_size: int, master_port: int) -> dict[str, str]:
+    """The environment a ``torchrun`` launch gives a rank (set in the child only)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(master_port)}
+
+
+# -- names other processes parse ----------------------------------------------------------
+# Inherited by every process a rank starts: finds them when the process tree no longer
+# does (their rank died and they left its process group, or a daemon double-forked).
+MARK_ENV = "REACTOR_DIST_RANK_MARK"
+# /dev/shm entries: rdist.<owner pid>.<owner start time, hex>.<runner token>.<tag><n>
+SEGMENT_PREFIX = "rdist"
+# The runner's private ipc directory: reactor-dist-<owner pid>-<random>
+IPC_DIR_PREFIX = "reactor-dist-"
+
+
+def segment_prefix(pid: int, started: int, token: str) -> str:
+    return f"{SEGMENT_PREFIX}.{pid}.{started:x}.{token}"
+
+
+def segment_owner(name: str) -> tuple[int, str] | None:
+    """``(pid, start time hex)`` of a /dev/shm entry of ours, else None."""
+    parts = name.split(".")
+    if len(parts) < 4 or parts[0] != SEGMENT_PREFIX or not parts[1].isdigit():
+        return None
+    return int(parts[1]), parts[2]
+
+
+def ipc_dir_owner(name: str) -> int | None:
+    """The owner pid of one of our ipc directories, else None."""
+    parts = name.split("-")
+    if len(parts) == 4 and name.startswith(IPC_DIR_PREFIX) and parts[2].isdigit():
+        return int(parts[2])
+    return None

@@ -1,0 +1,344 @@
+"""A rank's process: ``reactor-dist-worker`` (also ``python -m reactor_dist.rank``).
+
+Life of a rank (messages in :mod:`reactor_dist.protocol`)::
+
+    read the Bootstrap from stdin (secret, addresses, worker class, load_kwargs)
+    watch the runner's pid -> if it dies: remove its /dev/shm entries, kill own group
+    connect SUB (commands) + PUSH (replies); rank 0 opens the rendezvous store (port 0)
+    PING  -> PONG        (handshake: proves our subscription is live)
+    INIT  -> READY       (set device, form the torch.distributed group, load())
+    CALL  -> REPLY       (generate/reset; rank 0 alone sends the result payload)
+    SHUTDOWN -> exit
+
+The secret never appears in argv or the environment.  Every command is
+authenticated (wire.Channel.unpack) before anything in it is decoded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import pickle
+import select
+import shutil
+import signal
+import sys
+import threading
+import time
+import weakref
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import psutil
+import zmq
+
+from . import shm, transfer, wire
+from .errors import SharedSlotAllocationFailed, describe, pickle_exception
+from .ledger import Ledger, Mapped
+from .protocol import (
+    CALL,
+    DESCRIPTORS,
+    ERROR,
+    GENERATE,
+    INIT,
+    KIND,
+    METHOD,
+    OK,
+    PID,
+    PING,
+    PONG,
+    PORT,
+    RAISED,
+    RANK,
+    READY,
+    RELEASED,
+    REPLY,
+    RETIRED,
+    SEQ,
+    SHUTDOWN,
+    STATUS,
+    UNDELIVERABLE,
+    Bootstrap,
+)
+from .validation import import_worker_class
+
+# Who holds a segment of rank 0's result ledger.
+CALLER, WORKER = "caller", "worker"
+
+
+def watch_runner(pid: int, on_death) -> None:
+    """Call ``on_death`` as soon as the runner process is gone, whatever killed it."""
+    def wait() -> None:
+        try:
+            fd = os.pidfd_open(pid)
+            select.select([fd], [], [])
+        except (AttributeError, OSError):
+            while psutil.pid_exists(pid):
+                time.sleep(0.1)
+        on_death()
+
+    threading.Thread(target=wait, name="reactor-dist-runner-watch", daemon=True).start()
+
+
+def _maybe_cuda() -> bool:
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia")
+
+
+def choose_device(requested: str, rank: int) -> str:
+    if requested == "cpu" or (requested == "auto" and not _maybe_cuda()):
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        if requested == "cuda":
+            raise RuntimeError("device='cuda' was asked for, but torch sees no CUDA device")
+        return "cpu"
+    count = torch.cuda.device_count()
+    if rank >= count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<all>")
+        raise RuntimeError(
+            f"rank {rank} needs a GPU of its own, but only {count} are visible "
+            f"(CUDA_VISIBLE_DEVICES={visible}): lower world_size to {count} or pass "
+            f"gpus=[...] with one GPU per rank"
+        )
+    torch.cuda.set_device(rank)
+    return f"cuda:{rank}"
+
+
+class RankServer:
+    """Serves one rank: handshake, init, then one call at a time until shutdown."""
+
+    def __init__(self, boot: Bootstrap) -> None:
+        self.boot = boot
+        self.rank = boot.rank
+        self.world_size = boot.world_size
+        self.channel = wire.Channel(boot.secret)
+        self.worker: Any = None
+        self.store = None
+        self.last_seq = 0
+        self.rejected = 0
+        # Rank 0's results (owned here); the runner's inputs (mapped here, copy-on-write).
+        self.results = Ledger(boot.shm_dir, boot.shm_prefix, f"r{self.rank}-",
+                              keep_free=boot.keep_free)
+        prefix = boot.shm_prefix + "."
+        self.inputs = Mapped(lambda name: shm.PrivateView(boot.shm_dir, name),
+                             lambda name: "/" not in name and name.startswith(prefix))
+        self.unchecked: set[str] = set()  # released input views not yet checked for writes
+
+    # -- plumbing ------------------------------------------------------------------
+    def connect(self) -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.setsockopt(zmq.RCVHWM, 0)
+        self.sub.connect(self.boot.cmd_addr)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 2000)
+        self.push.connect(self.boot.reply_addr)
+        self.push_send = wire.direct_send(self.push)
+
+    def send(self, header: dict[str, Any], body: list | tuple = ()) -> None:
+        header[RANK] = self.rank
+        self.channel.send(self.push_send, header, body)
+
+    def on_runner_death(self) -> None:
+        shm.remove_prefix(self.boot.shm_dir, self.boot.shm_prefix)
+        # The runner's private ipc directory too: nobody else will ever remove it.
+        shutil.rmtree(os.path.dirname(self.boot.cmd_addr.removeprefix("ipc://")),
+                      ignore_errors=True)
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+        os._exit(1)
+
+    # -- the loop --------------------------------------------------------------------
+    def run(self) -> int:
+        watch_runner(self.boot.runner_pid, self.on_runner_death)
+        self.connect()
+        port = self.open_rendezvous()
+        while True:
+            try:
+                header, body = self.channel.recv(self.sub)
+            except wire.ProtocolError as exc:
+                self.rejected += 1
+                if self.rejected <= 3:  # say it, but never flood the log
+                    print(f"reactor-dist: rejected a message: {exc}", file=sys.stderr)
+                continue
+            kind = header[KIND]
+            if kind == PING:
+                self.send({KIND: PONG, SEQ: header[SEQ], PID: os.getpid(), PORT: port})
+            elif kind == INIT:
+                self.init(header)
+            elif kind == CALL and header[SEQ] > self.last_seq:
+                self.last_seq = header[SEQ]
+                self.call(header, body)
+            elif kind == SHUTDOWN:
+                break
+        self.close()
+        return 0
+
+    def open_rendezvous(self) -> int:
+        """Rank 0 binds the store on port 0 and reports the port: no race for a free port.
+
+        Every rank imports torch here, before the handshake, so that the ranks pay
+        for the import side by side rather than one after the other."""
+        if not (self.boot.init_process_group and self.world_size > 1):
+            return 0
+        from torch.distributed import TCPStore
+
+        if self.rank != 0:
+            return 0
+        self.store = TCPStore("127.0.0.1", 0, self.world_size, True,
+                              timeout=timedelta(seconds=self.boot.start_timeout),
+                              wait_for_workers=False)
+        return self.store.port
+
+    def init(self, header: dict[str, Any]) -> None:
+        reply: dict[str, Any] = {KIND: READY, SEQ: header[SEQ], STATUS: OK}
+        body: list = []
+        try:
+            port = header.get(PORT) or 0
+            if port:
+                os.environ["MASTER_PORT"] = str(port)
+            device = choose_device(self.boot.device, self.rank)
+            if self.boot.init_process_group and self.world_size > 1:
+                self.form_group(device, port)
+            self.worker = self.boot_worker(device)
+        except BaseException as exc:
+            reply[STATUS], reply[ERROR] = RAISED, describe(exc)
+            body = [pickle_exception(exc) or b""]
+        self.send(reply, body)
+
+    def form_group(self, device: str, port: int) -> None:
+        """Form the torch.distributed group (nccl on CUDA, gloo on CPU) on rank 0's store."""
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=self.boot.start_timeout)
+        store = self.store or dist.TCPStore("127.0.0.1", port, self.world_size, False,
+                                            timeout=timeout)
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, store=store, rank=self.rank,
+                                world_size=self.world_size, timeout=timeout)
+
+    def boot_worker(self, device: str) -> Any:
+        cls = import_worker_class(self.boot.worker)
+        worker = cls()
+        worker.rank, worker.world_size, worker.device = self.rank, self.world_size, device
+        if self.rank == 0:
+            worker._reactor_allocate = self.shared_empty
+        worker.load(**pickle.loads(self.boot.load_kwargs))
+        return worker
+
+    # -- one call ------------------------------------------------------------------------
+    def call(self, header: dict[str, Any], body: list) -> None:
+        for name in header.get(RELEASED) or ():
+            if isinstance(name, str):
+                self.results.release(name, CALLER)
+        self.inputs.unmap(header.get(RETIRED) or ())
+        reply: dict[str, Any] = {KIND: REPLY, SEQ: header[SEQ], STATUS: OK}
+        payload: list = []
+        error: BaseException | None = None
+        value = result = None
+        generate = header[METHOD] == GENERATE
+        try:
+            if generate:
+                value = transfer.decode(header.get(DESCRIPTORS), body, self.input_base)
+                result = self.worker.generate(value)
+                del value
+            else:
+                self.worker.reset()
+        except SharedSlotAllocationFailed as exc:
+            # shared_empty() allocates on rank 0 alone: a full /dev/shm there is a
+            # delivery failure, not a disagreement between ranks (the others never
+            # allocate). Anywhere else it is an exception like any other.
+            reply[STATUS] = UNDELIVERABLE if self.rank == 0 else RAISED
+            error = exc
+            value = result = None
+        except BaseException as exc:
+            reply[STATUS], error = RAISED, exc
+            value = result = None
+        if error is None and generate and self.rank == 0:
+            try:
+                descriptors, payload, _ = transfer.encode(
+                    result, self.results, "the result of generate() on rank 0",
+                    holders=(CALLER,), reuse_segments=True)
+                if descriptors:
+                    reply[DESCRIPTORS] = descriptors
+            except BaseException as exc:
+                reply[STATUS], error = UNDELIVERABLE, exc
+        del result
+        if error is not None:
+            reply[ERROR] = describe(error)
+            payload = [pickle_exception(error) or b""]
+            error = None
+        released = self.inputs.take_released()
+        if released:
+            reply[RELEASED] = released
+            self.unchecked.update(released)
+        retired = self.results.take_retired()
+        if retired:
+            reply[RETIRED] = retired
+        self.send(reply, payload)
+        self.check_written_views()
+
+    def check_written_views(self) -> None:
+        """Drop mappings this rank wrote to; runs after the reply, off the caller's clock."""
+        while self.unchecked:
+            name = self.unchecked.pop()
+            view = self.inputs.views.get(name)
+            if view is not None and view.written():
+                self.inputs.unmap([name])
+
+    def input_base(self, name: str) -> np.ndarray:
+        self.check_written_views()
+        return self.inputs.base(name)
+
+    def shared_empty(self, shape: Any, dtype: Any) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        seg = self.results.acquire(max(nbytes, 1), f"shared_empty({shape}, {dtype})",
+                                   holders=[WORKER])
+        base = np.frombuffer(seg.mm, np.uint8)
+        weakref.finalize(base, self.results.release, seg.name, WORKER)
+        return base[:nbytes].view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        self.worker = None
+        dist = sys.modules.get("torch.distributed")  # never import torch just to leave
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        self.inputs.close()
+        self.results.close()
+        self.sub.close(linger=0)
+        self.push.close()
+        self.ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="reactor-dist-worker",
+        description=(
+            "Runs one rank of a reactor_dist DistributedRunner: imports the worker class, "
+            "joins the runner's ZeroMQ bus and torch.distributed group, calls load() once, "
+            "then serves generate()/reset() until shutdown. The runner starts it with its "
+            "configuration (and a per-runner secret) on stdin; wrap it with the runner's "
+            "launch_prefix option, e.g. launch_prefix=['numactl', '--cpunodebind={rank}']."
+        ),
+    )
+    parser.parse_args(argv)
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the runner asks on a timeout
+    boot = Bootstrap.read(sys.stdin.buffer)
+    sys.stdin.close()
+    sys.path[:] = boot.sys_path + [p for p in sys.path if p not in boot.sys_path]
+    return RankServer(boot).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The one place tests look inside a runner: the pids, names and paths that no public
+API gives, and which the process, cleanup and trust tests must check."""
+
+from __future__ import annotations
+
+import psutil
+import zmq
+
+from reactor_dist import DistributedRunner
+
+
+class Probe:
+    def __init__(self, runner: DistributedRunner) -> None:
+        self._transport = runner._transport
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """The ranks' process ids (the processes the runner started); [] once ended."""
+        ranks = self._transport.ranks
+        return [p.pid for p in ranks.procs] if ranks is not None else []
+
+    @property
+    def launcher_pids(self) -> list[int]:
+        """Where each rank's code runs (differs from rank_pids under a wrapping prefix)."""
+        ranks = self._transport.ranks
+        return [p.launcher_pid for p in ranks.procs] if ranks is not None else []
+
+    def processes(self) -> list[int]:
+        """Every rank and every process under it."""
+        pids = []
+        for pid in self.rank_pids:
+            pids.append(pid)
+            try:
+                pids.extend(p.pid for p in psutil.Process(pid).children(recursive=True))
+            except psutil.Error:
+                pass
+        return pids
+
+    @property
+    def shm_prefix(self) -> str:
+        """The prefix of this runner's /dev/shm entries (without the trailing dot)."""
+        return self._transport.shm_prefix
+
+    @property
+    def ipc_dir(self) -> str | None:
+        return self._transport.ipc_dir
+
+    @property
+    def secret(self) -> bytes:
+        return self._transport.secret
+
+    def cut_a_command_short(self) -> None:
+        """Leave the command socket as a Ctrl-C in the middle of a send leaves it."""
+        bus = self._transport.bus
+        bus.pub.send(b"half of an interrupted command", zmq.SNDMORE)
+        bus._pub_open = True
