@@ -15,7 +15,7 @@ from typing import Any
 import zmq
 
 from . import wire
-from .protocol import DEATH, KIND, RANK, SEQ, TO_RUNNER
+from .protocol import Field, Kind
 
 # A wait may end this much before or after its deadline: a call's second receive then
 # keeps the first one's RCVTIMEO instead of setting it anew.
@@ -50,7 +50,7 @@ class Bus:
 
     def publish(self, header: dict[str, Any], body: list | tuple = ()) -> None:
         """Send one command to every rank."""
-        header[RANK] = -1
+        header[Field.RANK] = -1
         frames = self.channel.pack(header, body)
         if self._pub_open:
             # A Ctrl-C cut the last command short: end that message with an empty frame
@@ -72,7 +72,8 @@ class Bus:
             header, body = self.channel.recv(self.pull)
         except (zmq.Again, wire.ProtocolError):
             return None
-        if header[KIND] not in TO_RUNNER or not 0 <= header[RANK] < self.world_size:
+        if header[Field.KIND] not in Kind.TO_RUNNER or \
+                not 0 <= header[Field.RANK] < self.world_size:
             return None
         return header, body
 
@@ -82,7 +83,8 @@ class Bus:
             push = self.ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 1000)
             push.connect(self.death_addr)
-            wire.Channel(self.secret).send(push.send, {KIND: DEATH, SEQ: 0, RANK: ranks[0]})
+            notice = {Field.KIND: Kind.DEATH, Field.SEQ: 0, Field.RANK: ranks[0]}
+            wire.Channel(self.secret).send(push.send, notice)
             push.close()
 
     def close(self) -> None:

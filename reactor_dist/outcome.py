@@ -24,19 +24,19 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from .errors import RankDesync
-from .protocol import OK, RAISED, UNDELIVERABLE
+from .protocol import Status
 
 
 class Outcome(NamedTuple):
     """What one rank did in one call, as the caller sees it."""
 
-    status: str  # protocol.OK, RAISED or UNDELIVERABLE
+    status: str  # protocol.OK, Status.RAISED or Status.UNDELIVERABLE
     value: Any = None  # rank 0's decoded result, when every rank returned
     error: BaseException | None = None  # the rank's exception, rebuilt in the caller
     error_type: str = ""  # its type's name as the rank saw it
 
 
-RETURNED = Outcome(OK)
+RETURNED = Outcome(Status.OK)
 
 
 class Verdict(NamedTuple):
@@ -48,15 +48,15 @@ class Verdict(NamedTuple):
 def judge(method: str, outcomes: Sequence[Outcome]) -> Verdict:
     """The caller's answer to one call whose every rank answered (index = rank)."""
     world_size = len(outcomes)
-    if [o.status for o in outcomes].count(OK) == world_size:
+    if [o.status for o in outcomes].count(Status.OK) == world_size:
         return Verdict(outcomes[0].value, None, False)
-    failed = {r: o for r, o in enumerate(outcomes) if o.status == RAISED}
-    if outcomes[0].status == UNDELIVERABLE:
+    failed = {r: o for r, o in enumerate(outcomes) if o.status == Status.RAISED}
+    if outcomes[0].status == Status.UNDELIVERABLE:
         if not failed:  # every rank finished the step; only delivery failed: in step
             return Verdict(None, outcomes[0].error, False)
         failed = {0: outcomes[0], **failed}
     if not failed:  # a status we do not know: the ranks did not all return
-        failed = {r: o for r, o in enumerate(outcomes) if o.status != OK}
+        failed = {r: o for r, o in enumerate(outcomes) if o.status != Status.OK}
     errors = {r: o.error for r, o in failed.items()}
     if len(failed) == world_size:
         types = {r: o.error_type for r, o in failed.items()}

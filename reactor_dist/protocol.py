@@ -3,7 +3,7 @@
 The runner and its ranks talk over two ZeroMQ sockets (framing and MAC in
 :mod:`reactor_dist.wire`); each message is a short msgpack header map plus body
 frames.  The message table (``->`` runner to every rank on PUB, ``<-`` one rank to
-the runner on PUSH/PULL)::
+the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
 
     kind      dir  when                       header fields beyond KIND, SEQ, RANK
     --------  ---  -------------------------  ---------------------------------------
@@ -28,7 +28,8 @@ segments owned by the *sender*: one pair of fields in both directions.  Empty
 fields are left out.  The pickle stream of a payload is the first body frame;
 when small it rides in the header as EMBEDDED, so that the common message is one
 frame.  A header is a plain dict keyed by these constants: packing it costs no
-more than a literal.
+more than a literal.  STATUS is one of :class:`Status`, METHOD one of :class:`Method`,
+DESCRIPTORS a list of :class:`Descriptor`, ERROR an :class:`ErrorRecord`.
 
 Besides messages: the :class:`Bootstrap` a rank reads from its stdin, the
 torchrun environment variables, the process mark (:data:`MARK_ENV`), and the names
@@ -49,44 +50,59 @@ EMBED_LIMIT = 4096  # a first body frame up to this size travels inside the head
 MAC_ONE_FRAME, MAC_FRAMES = b"reactor-dist/1", b"reactor-dist/n"  # MAC personalizations
 
 # -- header fields ------------------------------------------------------------------------
-KIND = "k"
-SEQ = "s"
-RANK = "r"
-STATUS = "st"
-METHOD = "m"
-DESCRIPTORS = "d"
-ERROR = "e"
-EMBEDDED = "p"
-RELEASED = "rel"
-RETIRED = "ret"
-PID = "pid"
-PORT = "port"
+class Field:
+    """The keys of a message header (short: the header is packed on every message)."""
 
-# -- kinds --------------------------------------------------------------------------------
-PING, INIT, CALL, SHUTDOWN = "ping", "init", "call", "shutdown"
-COMMANDS = frozenset({PING, INIT, CALL, SHUTDOWN})
-PONG, READY, REPLY = "pong", "ready", "reply"
-REPLIES = frozenset({PONG, READY, REPLY})
-DEATH = "death"
-KINDS = COMMANDS | REPLIES | {DEATH}
-TO_RUNNER = REPLIES | {DEATH}  # what the runner's PULL socket accepts
+    KIND = "k"
+    SEQ = "s"
+    RANK = "r"
+    STATUS = "st"
+    METHOD = "m"
+    DESCRIPTORS = "d"
+    ERROR = "e"
+    EMBEDDED = "p"
+    RELEASED = "rel"
+    RETIRED = "ret"
+    PID = "pid"
+    PORT = "port"
 
-# -- statuses of READY and REPLY ----------------------------------------------------------
-OK = "ok"                        # the method returned
-RAISED = "raised"                # the method (or decoding its input) raised
-UNDELIVERABLE = "undeliverable"  # rank 0 returned, but its result could not be sent
 
-# -- methods ------------------------------------------------------------------------------
-GENERATE, RESET = "generate", "reset"
+class Kind:
+    """The value of ``Field.KIND``."""
 
-# -- payload buffers ----------------------------------------------------------------------
-INLINE, SEGMENT = 0, 1
+    PING, INIT, CALL, SHUTDOWN = "ping", "init", "call", "shutdown"  # runner -> every rank
+    PONG, READY, REPLY = "pong", "ready", "reply"  # one rank -> runner
+    DEATH = "death"  # the runner's death watch -> its own PULL socket
+    COMMANDS = frozenset({PING, INIT, CALL, SHUTDOWN})
+    REPLIES = frozenset({PONG, READY, REPLY})
+    ALL = COMMANDS | REPLIES | {DEATH}
+    TO_RUNNER = REPLIES | {DEATH}  # what the runner's PULL socket accepts
+
+
+class Status:
+    """The value of ``Field.STATUS`` in READY and REPLY."""
+
+    OK = "ok"                        # the method returned
+    RAISED = "raised"                # the method (or decoding its input) raised
+    UNDELIVERABLE = "undeliverable"  # rank 0 returned, but its result could not be sent
+
+
+class Method:
+    """The value of ``Field.METHOD`` in CALL."""
+
+    GENERATE, RESET = "generate", "reset"
+
+
+class Place:
+    """Where a payload buffer lies (``Descriptor.place``)."""
+
+    INLINE, SEGMENT = 0, 1
 
 
 class Descriptor(NamedTuple):
     """Where one out-of-band buffer of a payload lies (packs as a 5-item array)."""
 
-    place: int        # INLINE: a body frame; SEGMENT: a /dev/shm segment
+    place: int        # Place.INLINE: a body frame; Place.SEGMENT: a /dev/shm segment
     where: int | str  # the body frame's index, or the segment's name
     offset: int
     nbytes: int
@@ -96,7 +112,7 @@ class Descriptor(NamedTuple):
 def segments_of(descriptors: Any) -> set[str]:
     """The segment names a (possibly malformed) list of wire descriptors references."""
     return {d[1] for d in descriptors or () if isinstance(d, (list, tuple)) and len(d) == 5
-            and d[0] == SEGMENT and isinstance(d[1], str)}
+            and d[0] == Place.SEGMENT and isinstance(d[1], str)}
 
 
 class ErrorRecord(NamedTuple):

@@ -5,10 +5,10 @@ Life of a rank (messages in :mod:`reactor_dist.protocol`)::
     read the Bootstrap from stdin (secret, addresses, worker class, load_kwargs)
     watch the runner's pid -> if it dies: remove its /dev/shm entries, kill own group
     connect SUB (commands) + PUSH (replies); rank 0 opens the rendezvous store (port 0)
-    PING  -> PONG        (handshake: proves our subscription is live)
-    INIT  -> READY       (set device, form the torch.distributed group, load())
-    CALL  -> REPLY       (generate/reset; rank 0 alone sends the result payload)
-    SHUTDOWN -> exit
+    Kind.PING  -> Kind.PONG        (handshake: proves our subscription is live)
+    Kind.INIT  -> Kind.READY       (set device, form the torch.distributed group, load())
+    Kind.CALL  -> Kind.REPLY       (generate/reset; rank 0 alone sends the result payload)
+    Kind.SHUTDOWN -> exit
 
 The secret never appears in argv or the environment.  Every command is
 authenticated (wire.Channel.unpack) before anything in it is decoded.
@@ -37,31 +37,7 @@ import zmq
 from . import shm, transfer, wire
 from .errors import SharedSlotAllocationFailed, describe, pickle_exception
 from .ledger import Ledger, Mapped
-from .protocol import (
-    CALL,
-    DESCRIPTORS,
-    ERROR,
-    GENERATE,
-    INIT,
-    KIND,
-    METHOD,
-    OK,
-    PID,
-    PING,
-    PONG,
-    PORT,
-    RAISED,
-    RANK,
-    READY,
-    RELEASED,
-    REPLY,
-    RETIRED,
-    SEQ,
-    SHUTDOWN,
-    STATUS,
-    UNDELIVERABLE,
-    Bootstrap,
-)
+from .protocol import Bootstrap, Field, Kind, Method, Status
 from .validation import import_worker_class
 
 # Who holds a segment of rank 0's result ledger.
@@ -140,7 +116,7 @@ class RankServer:
         self.push_send = wire.direct_send(self.push)
 
     def send(self, header: dict[str, Any], body: list | tuple = ()) -> None:
-        header[RANK] = self.rank
+        header[Field.RANK] = self.rank
         self.channel.send(self.push_send, header, body)
 
     def on_runner_death(self) -> None:
@@ -169,15 +145,16 @@ class RankServer:
                 if self.rejected <= 3:  # say it, but never flood the log
                     print(f"reactor-dist: rejected a message: {exc}", file=sys.stderr)
                 continue
-            kind = header[KIND]
-            if kind == PING:
-                self.send({KIND: PONG, SEQ: header[SEQ], PID: os.getpid(), PORT: port})
-            elif kind == INIT:
+            kind = header[Field.KIND]
+            if kind == Kind.PING:
+                self.send({Field.KIND: Kind.PONG, Field.SEQ: header[Field.SEQ],
+                           Field.PID: os.getpid(), Field.PORT: port})
+            elif kind == Kind.INIT:
                 self.init(header)
-            elif kind == CALL and header[SEQ] > self.last_seq:
-                self.last_seq = header[SEQ]
+            elif kind == Kind.CALL and header[Field.SEQ] > self.last_seq:
+                self.last_seq = header[Field.SEQ]
                 self.call(header, body)
-            elif kind == SHUTDOWN:
+            elif kind == Kind.SHUTDOWN:
                 break
         self.close()
         return 0
@@ -199,10 +176,11 @@ class RankServer:
         return self.store.port
 
     def init(self, header: dict[str, Any]) -> None:
-        reply: dict[str, Any] = {KIND: READY, SEQ: header[SEQ], STATUS: OK}
+        reply: dict[str, Any] = {Field.KIND: Kind.READY, Field.SEQ: header[Field.SEQ],
+                                 Field.STATUS: Status.OK}
         body: list = []
         try:
-            port = header.get(PORT) or 0
+            port = header.get(Field.PORT) or 0
             if port:
                 os.environ["MASTER_PORT"] = str(port)
             device = choose_device(self.boot.device, self.rank)
@@ -210,7 +188,7 @@ class RankServer:
                 self.form_group(device, port)
             self.worker = self.boot_worker(device)
         except BaseException as exc:
-            reply[STATUS], reply[ERROR] = RAISED, describe(exc)
+            reply[Field.STATUS], reply[Field.ERROR] = Status.RAISED, describe(exc)
             body = [pickle_exception(exc) or b""]
         self.send(reply, body)
 
@@ -236,18 +214,19 @@ class RankServer:
 
     # -- one call ------------------------------------------------------------------------
     def call(self, header: dict[str, Any], body: list) -> None:
-        for name in header.get(RELEASED) or ():
+        for name in header.get(Field.RELEASED) or ():
             if isinstance(name, str):
                 self.results.release(name, CALLER)
-        self.inputs.unmap(header.get(RETIRED) or ())
-        reply: dict[str, Any] = {KIND: REPLY, SEQ: header[SEQ], STATUS: OK}
+        self.inputs.unmap(header.get(Field.RETIRED) or ())
+        reply: dict[str, Any] = {Field.KIND: Kind.REPLY, Field.SEQ: header[Field.SEQ],
+                                 Field.STATUS: Status.OK}
         payload: list = []
         error: BaseException | None = None
         value = result = None
-        generate = header[METHOD] == GENERATE
+        generate = header[Field.METHOD] == Method.GENERATE
         try:
             if generate:
-                value = transfer.decode(header.get(DESCRIPTORS), body, self.input_base)
+                value = transfer.decode(header.get(Field.DESCRIPTORS), body, self.input_base)
                 result = self.worker.generate(value)
                 del value
             else:
@@ -256,11 +235,11 @@ class RankServer:
             # shared_empty() allocates on rank 0 alone: a full /dev/shm there is a
             # delivery failure, not a disagreement between ranks (the others never
             # allocate). Anywhere else it is an exception like any other.
-            reply[STATUS] = UNDELIVERABLE if self.rank == 0 else RAISED
+            reply[Field.STATUS] = Status.UNDELIVERABLE if self.rank == 0 else Status.RAISED
             error = exc
             value = result = None
         except BaseException as exc:
-            reply[STATUS], error = RAISED, exc
+            reply[Field.STATUS], error = Status.RAISED, exc
             value = result = None
         if error is None and generate and self.rank == 0:
             try:
@@ -268,21 +247,21 @@ class RankServer:
                     result, self.results, "the result of generate() on rank 0",
                     holders=(CALLER,), reuse_segments=True)
                 if descriptors:
-                    reply[DESCRIPTORS] = descriptors
+                    reply[Field.DESCRIPTORS] = descriptors
             except BaseException as exc:
-                reply[STATUS], error = UNDELIVERABLE, exc
+                reply[Field.STATUS], error = Status.UNDELIVERABLE, exc
         del result
         if error is not None:
-            reply[ERROR] = describe(error)
+            reply[Field.ERROR] = describe(error)
             payload = [pickle_exception(error) or b""]
             error = None
         released = self.inputs.take_released()
         if released:
-            reply[RELEASED] = released
+            reply[Field.RELEASED] = released
             self.unchecked.update(released)
         retired = self.results.take_retired()
         if retired:
-            reply[RETIRED] = retired
+            reply[Field.RETIRED] = retired
         self.send(reply, payload)
         self.check_written_views()
 

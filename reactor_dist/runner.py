@@ -24,7 +24,7 @@ from typing import Any
 
 from .errors import WorkerCrashed, WorkerTimeout
 from .outcome import judge
-from .protocol import GENERATE, RESET
+from .protocol import Method
 from .shm import DEFAULT_DIR
 from .transport import Transport
 from .validation import check_load_kwargs, check_methods, check_world_size, locate
@@ -132,11 +132,11 @@ class DistributedRunner:
     def generate(self, input: Any, /, *,
                  timeout: float | None | EllipsisType = ...) -> Any:
         """Run ``generate(input)`` on every rank; rank 0's result, or the contract's error."""
-        return self._call(GENERATE, input, timeout)
+        return self._call(Method.GENERATE, input, timeout)
 
     def reset(self, *, timeout: float | None | EllipsisType = ...) -> None:
         """Run ``reset()`` on every rank (clear session state, keep weights)."""
-        self._call(RESET, None, timeout)
+        self._call(Method.RESET, None, timeout)
 
     def shutdown(self) -> None:
         """End every rank and remove every file. Idempotent; also runs at exit."""

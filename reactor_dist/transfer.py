@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from .ledger import Ledger
-from .protocol import INLINE, SEGMENT, Descriptor
+from .protocol import Descriptor, Place
 from .shm import align
 
 # Measured (benchmarks/inline_threshold.py): below ~64 KiB a ZeroMQ frame copy is cheaper
@@ -105,13 +105,13 @@ def encode(obj: Any, ledger: Ledger, what: str, holders: Iterable[Hashable],
         raw = pb.raw()
         n, ro = raw.nbytes, raw.readonly
         if n < inline_limit:
-            descriptors.append(Descriptor(INLINE, len(frames), 0, n, ro))
+            descriptors.append(Descriptor(Place.INLINE, len(frames), 0, n, ro))
             frames.append(raw)
             continue
         found = ledger.find(_address(raw), n) if reuse_segments else None
         if found is not None:
             seg, offset = found
-            descriptors.append(Descriptor(SEGMENT, seg.name, offset, n, ro))
+            descriptors.append(Descriptor(Place.SEGMENT, seg.name, offset, n, ro))
             if seg.name not in found_segments:
                 found_segments.append(seg.name)
             continue
@@ -126,7 +126,7 @@ def encode(obj: Any, ledger: Ledger, what: str, holders: Iterable[Hashable],
         for index, raw in copies:
             n = raw.nbytes
             np.copyto(target[offset:offset + n], np.frombuffer(raw, np.uint8))
-            descriptors[index] = Descriptor(SEGMENT, seg.name, offset, n, raw.readonly)
+            descriptors[index] = Descriptor(Place.SEGMENT, seg.name, offset, n, raw.readonly)
             offset += align(n)
         del target
         used.append(seg.name)
@@ -148,7 +148,7 @@ def decode(descriptors: list | None, frames: list,
     views = []
     bases: dict[str, np.ndarray] = {}
     for loc, where, offset, n, ro in descriptors:
-        if loc == INLINE:
+        if loc == Place.INLINE:
             frame = frames[where]
             view = memoryview(frame) if ro else memoryview(bytearray(frame))
         else:

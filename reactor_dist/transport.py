@@ -6,12 +6,12 @@ Data flow of one ``generate(x)``::
     ------------------------------------------     ---------------------------------
     encode x: pickle-5 stream + buffers;
       big buffers -> one input segment (1 copy)
-    Bus.publish CALL ----------------------------> SUB: verify MAC, map input segment
+    Bus.publish Kind.CALL ----------------------------> SUB: verify MAC, map input segment
                                                     copy-on-write, unpickle, generate()
-    Bus.receive (PULL) <-------------------------- PUSH REPLY (status, error)
+    Bus.receive (PULL) <-------------------------- PUSH Kind.REPLY (status, error)
       a reply to an older call: its result          rank 0 alone adds its result: big
         segments released, nothing else             buffers copied into a warm result
-      DEATH (from the death watch): WorkerCrashed   segment (or none: shared_empty)
+      Kind.DEATH (from the death watch): WorkerCrashed   segment (or none: shared_empty)
       deadline: WorkerTimeout with the silent
         ranks' stacks
     decode rank 0's result (arrays view the
@@ -20,7 +20,7 @@ Data flow of one ``generate(x)``::
 
 Segments: the runner's input ledger and rank 0's result ledger
 (:mod:`reactor_dist.ledger`); releases and retirements ride on the next message
-the other way (RELEASED / RETIRED).
+the other way (Field.RELEASED / Field.RETIRED).
 """
 
 from __future__ import annotations
@@ -46,33 +46,14 @@ from .ledger import Ledger, Mapped
 from .outcome import RETURNED, Outcome
 from .processes import Ranks
 from .protocol import (
-    CALL,
-    DEATH,
-    DESCRIPTORS,
-    ERROR,
-    GENERATE,
-    INIT,
     IPC_DIR_PREFIX,
-    KIND,
-    METHOD,
-    OK,
-    PID,
-    PING,
-    PONG,
-    PORT,
-    RAISED,
-    RANK,
-    READY,
-    RELEASED,
-    REPLY,
-    RETIRED,
     SECRET_SIZE,
-    SEQ,
-    SHUTDOWN,
-    STATUS,
-    UNDELIVERABLE,
     Bootstrap,
     ErrorRecord,
+    Field,
+    Kind,
+    Method,
+    Status,
     WorkerRef,
     ipc_dir_owner,
     segments_of,
@@ -154,22 +135,23 @@ class Transport:
         self.bus = Bus(self.secret, self.ipc_dir, self.world_size)
         self.ranks = Ranks(self.bus.tell_death)
         # For models that form their own group (init_process_group=False): one port for
-        # all ranks. With our group, rank 0's store binds port 0 and INIT carries its port.
+        # all ranks. With our group, rank 0's store binds port 0 and Kind.INIT carries its port.
         master_port = free_port()
         for rank in range(self.world_size):
             self._spawn(rank, master_port)
         bus = self.bus
-        pongs = self.collect(PONG, 0, deadline - time.monotonic(), "start()",
-                             ping=lambda: bus.publish({KIND: PING, SEQ: 0}),
+        pongs = self.collect(Kind.PONG, 0, deadline - time.monotonic(), "start()",
+                             ping=lambda: bus.publish({Field.KIND: Kind.PING, Field.SEQ: 0}),
                              stated_timeout=timeout)
         for rank, (header, _) in pongs.items():
-            self.ranks.found_launcher(rank, header.get(PID))
-        bus.publish({KIND: INIT, SEQ: 0, PORT: pongs[0][0].get(PORT) or 0})
-        ready = self.collect(READY, 0, deadline - time.monotonic(), "start()",
+            self.ranks.found_launcher(rank, header.get(Field.PID))
+        store_port = pongs[0][0].get(Field.PORT) or 0
+        bus.publish({Field.KIND: Kind.INIT, Field.SEQ: 0, Field.PORT: store_port})
+        ready = self.collect(Kind.READY, 0, deadline - time.monotonic(), "start()",
                              first_error=True, stated_timeout=timeout)
         for rank, (header, body) in ready.items():
-            if header.get(STATUS) == RAISED:
-                raise rebuild_exception(ErrorRecord.parse(header.get(ERROR)),
+            if header.get(Field.STATUS) == Status.RAISED:
+                raise rebuild_exception(ErrorRecord.parse(header.get(Field.ERROR)),
                                         body[0] if body else None, rank)
 
     def _spawn(self, rank: int, master_port: int) -> None:
@@ -205,9 +187,9 @@ class Transport:
             dead = self.ranks.dead()
             if dead:
                 raise self.crashed(dead, "an idle moment between calls")
-        header: dict[str, Any] = {KIND: CALL, METHOD: method}
+        header: dict[str, Any] = {Field.KIND: Kind.CALL, Field.METHOD: method}
         body: list = [b""]
-        if method == GENERATE:
+        if method == Method.GENERATE:
             try:
                 descriptors, body, _ = transfer.encode(
                     value, self.inputs, "the input of generate()", holders=range(self.world_size))
@@ -220,57 +202,59 @@ class Transport:
                     f"classes"
                 ) from exc
             if descriptors:
-                header[DESCRIPTORS] = descriptors
+                header[Field.DESCRIPTORS] = descriptors
         # From here on the command may have reached the ranks, even if publish() is
         # interrupted: the sequence number, the segments and the releases count as sent
         # (an interrupted call's segments stay held until shutdown rather than risk
         # handing out memory a rank may still read).
         self.seq = seq = self.seq + 1
-        header[SEQ] = seq
+        header[Field.SEQ] = seq
         released = self.results.take_released()
         if released:
-            header[RELEASED] = released
+            header[Field.RELEASED] = released
         retired = self.inputs.take_retired()
         if retired:
-            header[RETIRED] = retired
+            header[Field.RETIRED] = retired
         self.bus.publish(header, body)
-        return self.outcomes(method, self.collect(REPLY, seq, timeout, f"{method}() (call {seq})"))
+        replies = self.collect(Kind.REPLY, seq, timeout, f"{method}() (call {seq})")
+        return self.outcomes(method, replies)
 
     def outcomes(self, method: str, replies: Replies) -> list[Outcome]:
         """Every rank's Outcome; rank 0's result is decoded only when every rank returned
         (else it is released unread: the call fails whatever it holds)."""
-        if [h.get(STATUS) for h, _ in replies.values()].count(OK) == self.world_size:
+        if [h.get(Field.STATUS) for h, _ in replies.values()].count(Status.OK) == self.world_size:
             first = RETURNED
-            if method == GENERATE:
+            if method == Method.GENERATE:
                 header, body = replies[0]
                 try:
-                    first = Outcome(OK, transfer.decode(header.get(DESCRIPTORS), body,
+                    first = Outcome(Status.OK, transfer.decode(header.get(Field.DESCRIPTORS), body,
                                                         self.results.base))
                 except Exception as exc:
                     if hasattr(exc, "add_note"):  # Python 3.11+
                         exc.add_note("(while unpickling rank 0's result in the caller; the "
                                      "runner stays healthy)")
-                    first = Outcome(UNDELIVERABLE, None, exc, type_name(exc))
+                    first = Outcome(Status.UNDELIVERABLE, None, exc, type_name(exc))
             return [first] + [RETURNED] * (self.world_size - 1)
         outcomes = []
         for rank in range(self.world_size):
             header, body = replies[rank]
-            status = header.get(STATUS)
-            if status == OK:
-                self.results.release(segments_of(header.get(DESCRIPTORS)))
+            status = header.get(Field.STATUS)
+            if status == Status.OK:
+                self.results.release(segments_of(header.get(Field.DESCRIPTORS)))
                 outcomes.append(RETURNED)
                 continue
-            record = ErrorRecord.parse(header.get(ERROR))
+            record = ErrorRecord.parse(header.get(Field.ERROR))
             error = rebuild_exception(record, (body[0] if body else b"") or None, rank)
-            outcomes.append(Outcome(status if status == UNDELIVERABLE else RAISED, None, error,
-                                    record.type))
+            if status != Status.UNDELIVERABLE:
+                status = Status.RAISED
+            outcomes.append(Outcome(status, None, error, record.type))
         return outcomes
 
     def collect(self, kind: str, seq: int, timeout: float | None, what: str,
                 ping: Callable[[], None] | None = None, first_error: bool = False,
                 stated_timeout: float | None = None) -> Replies:
         """Wait for ``kind``/``seq`` from every rank; WorkerCrashed on a death notice,
-        WorkerTimeout at the deadline.  With ``first_error`` a RAISED answer ends the
+        WorkerTimeout at the deadline.  With ``first_error`` a Status.RAISED answer ends the
         wait at once (start-up: a failed load() makes the rest pointless); ``ping`` is
         repeated every PING_EVERY while waiting.
 
@@ -293,17 +277,18 @@ class Transport:
             message = receive(wait_ms)
             if message is not None:
                 header, body = message
-                if RELEASED in header or RETIRED in header:
+                if Field.RELEASED in header or Field.RETIRED in header:
                     self._apply_ledger_fields(header)
-                if header[KIND] == kind and header[SEQ] == seq and header[RANK] not in replies:
-                    replies[header[RANK]] = message
-                    if first_error and header.get(STATUS) == RAISED:
-                        return {header[RANK]: message}
-                elif header[KIND] == DEATH:
-                    raise self.crashed(self.ranks.dead() or [header[RANK]], what)
-                elif header[KIND] == REPLY and header[SEQ] != seq:
+                rank = header[Field.RANK]
+                if header[Field.KIND] == kind and header[Field.SEQ] == seq and rank not in replies:
+                    replies[rank] = message
+                    if first_error and header.get(Field.STATUS) == Status.RAISED:
+                        return {rank: message}
+                elif header[Field.KIND] == Kind.DEATH:
+                    raise self.crashed(self.ranks.dead() or [header[Field.RANK]], what)
+                elif header[Field.KIND] == Kind.REPLY and header[Field.SEQ] != seq:
                     # The answer to an older (interrupted) call: hand its segments back.
-                    self.results.release(segments_of(header.get(DESCRIPTORS)))
+                    self.results.release(segments_of(header.get(Field.DESCRIPTORS)))
             if deadline is not None and len(replies) < self.world_size and \
                     time.monotonic() >= deadline:
                 silent = [r for r in range(self.world_size) if r not in replies]
@@ -311,12 +296,12 @@ class Transport:
         return replies
 
     def _apply_ledger_fields(self, header: dict[str, Any]) -> None:
-        """A rank's RELEASED input segments and rank 0's RETIRED result segments."""
-        rank = header[RANK]
-        for name in header.get(RELEASED) or ():
+        """A rank's Field.RELEASED input segments and rank 0's Field.RETIRED result segments."""
+        rank = header[Field.RANK]
+        for name in header.get(Field.RELEASED) or ():
             if isinstance(name, str):
                 self.inputs.release(name, rank)
-        self.results.unmap(header.get(RETIRED) or ())
+        self.results.unmap(header.get(Field.RETIRED) or ())
 
     # -- failures ------------------------------------------------------------------------
     def dead(self) -> list[int]:
@@ -331,8 +316,8 @@ class Transport:
     def timed_out(self, silent: list[int], timeout: float | None, what: str,
                   replies: Replies) -> WorkerTimeout:
         assert self.ranks is not None
-        raised = [f"rank {r} raised {ErrorRecord.parse(h.get(ERROR)).type}"
-                  for r, (h, _) in sorted(replies.items()) if h.get(STATUS) == RAISED]
+        raised = [f"rank {r} raised {ErrorRecord.parse(h.get(Field.ERROR)).type}"
+                  for r, (h, _) in sorted(replies.items()) if h.get(Field.STATUS) == Status.RAISED]
         note = f" ({'; '.join(raised)}: the silent ranks may wait for it in a collective)" \
             if raised else ""
         return WorkerTimeout(
@@ -351,7 +336,7 @@ class Transport:
             procs = self.ranks.procs
             if graceful and procs and all(p.alive() for p in procs) and self.bus is not None:
                 with contextlib.suppress(zmq.ZMQError):
-                    self.bus.publish({KIND: SHUTDOWN, SEQ: self.seq + 1})
+                    self.bus.publish({Field.KIND: Kind.SHUTDOWN, Field.SEQ: self.seq + 1})
                 grace = self.shutdown_grace
             self.ranks.end(grace)
         if self.bus is not None:

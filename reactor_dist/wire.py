@@ -7,7 +7,7 @@ A message is a ZeroMQ multipart::
 The first frame is the 32-byte MAC followed by the header, a msgpack map whose
 fields and kinds :mod:`reactor_dist.protocol` names; the body frames are the
 pickle-5 stream and any small out-of-band buffers.  A small pickle stream (most
-calls and replies) rides inside the header as ``EMBEDDED``, so that the common
+calls and replies) rides inside the header as ``Field.EMBEDDED``, so that the common
 message is one frame.
 
 The MAC is keyed BLAKE2b-256 under the per-runner secret: over the header frame
@@ -33,18 +33,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from .protocol import (
-    EMBED_LIMIT,
-    EMBEDDED,
-    KIND,
-    KINDS,
-    MAC_FRAMES,
-    MAC_ONE_FRAME,
-    MAC_SIZE,
-    RANK,
-    SECRET_SIZE,
-    SEQ,
-)
+from .protocol import EMBED_LIMIT, MAC_FRAMES, MAC_ONE_FRAME, MAC_SIZE, SECRET_SIZE, Field, Kind
 
 __all__ = ["MAC_SIZE", "SECRET_SIZE", "EMBED_LIMIT", "Channel", "ProtocolError", "pack",
            "unpack", "send", "direct_send"]
@@ -82,9 +71,9 @@ class Channel:
 
     def pack(self, header: dict[str, Any], body: Sequence[Any] = ()) -> list[Any]:
         """The multipart frames of one authenticated message (``header`` gains
-        ``EMBEDDED`` when the first body frame is small enough to ride in it)."""
+        ``Field.EMBEDDED`` when the first body frame is small enough to ride in it)."""
         if body and type(body[0]) is bytes and len(body[0]) <= EMBED_LIMIT:
-            header[EMBEDDED], body = body[0], body[1:]
+            header[Field.EMBEDDED], body = body[0], body[1:]
         head = self._pack(header)
         if not body:
             digest = self._one_frame.copy()
@@ -116,14 +105,14 @@ class Channel:
             raise ProtocolError(f"undecodable header: {exc}") from None
         if type(header) is not dict:
             raise ProtocolError(f"header is {type(header).__name__}, expected a map")
-        kind, seq, rank = header.get(KIND), header.get(SEQ), header.get(RANK)
+        kind, seq, rank = header.get(Field.KIND), header.get(Field.SEQ), header.get(Field.RANK)
         if type(seq) is not int or type(rank) is not int:
             raise ProtocolError(f"header fields SEQ/RANK are {seq!r}/{rank!r}, expected ints")
-        if type(kind) is not str or kind not in KINDS:
+        if type(kind) is not str or kind not in Kind.ALL:
             raise ProtocolError(f"unknown message kind {kind!r}")
-        if EMBEDDED not in header:
+        if Field.EMBEDDED not in header:
             return header, frames[1:]
-        embedded = header.pop(EMBEDDED)
+        embedded = header.pop(Field.EMBEDDED)
         if type(embedded) is not bytes:
             raise ProtocolError(
                 f"embedded body frame is {type(embedded).__name__}, expected bytes")

@@ -24,11 +24,11 @@ from hypothesis import strategies as st
 from probe import Probe
 from sample_workers import ScriptedWorker
 
-from reactor_dist import DistributedRunner, protocol, wire
-from reactor_dist.protocol import DESCRIPTORS, EMBEDDED, KIND, RANK, SEQ, STATUS
+from reactor_dist import DistributedRunner, wire
+from reactor_dist.protocol import Field, Kind, Status
 
 SECRET = bytes(range(32))
-KINDS = sorted(protocol.KINDS)
+KINDS = sorted(Kind.ALL)
 FUZZ = settings(max_examples=400, deadline=1000, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])
 
@@ -41,8 +41,9 @@ msgpack_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2 ** 63), 2 ** 64 - 1) | st.floats()
     | st.text(max_size=20) | st.binary(max_size=20),
     lambda inner: st.lists(inner, max_size=5)
-    | st.dictionaries(st.text(max_size=5) | st.sampled_from([KIND, SEQ, RANK, EMBEDDED]), inner,
-                      max_size=5),
+    | st.dictionaries(st.text(max_size=5)
+                      | st.sampled_from([Field.KIND, Field.SEQ, Field.RANK, Field.EMBEDDED]),
+                      inner, max_size=5),
     max_leaves=25)
 
 wrong = (st.booleans() | st.none() | st.text(max_size=8) | st.floats() | st.binary(max_size=8)
@@ -53,9 +54,9 @@ number = st.integers(0, 4).flatmap(
 # Mostly valid kind/seq/rank fields (so the accepting path is fuzzed too), sometimes a
 # wrong type or a missing one, plus whatever else a header might carry.
 headers = st.tuples(
-    st.fixed_dictionaries({KIND: kind, SEQ: number, RANK: number}),
-    st.sets(st.sampled_from([KIND, SEQ, RANK]), max_size=1),
-    st.dictionaries(st.text(max_size=4) | st.just(EMBEDDED),
+    st.fixed_dictionaries({Field.KIND: kind, Field.SEQ: number, Field.RANK: number}),
+    st.sets(st.sampled_from([Field.KIND, Field.SEQ, Field.RANK]), max_size=1),
+    st.dictionaries(st.text(max_size=4) | st.just(Field.EMBEDDED),
                     msgpack_values | st.binary(max_size=20), max_size=3),
 ).map(lambda t: {**t[2], **{k: v for k, v in t[0].items() if k not in t[1]}})
 
@@ -73,12 +74,12 @@ def check(parts) -> None:
         assert str(exc)  # a clear internal error, never an empty one
         return
     assert isinstance(header, dict)
-    assert header[KIND] in protocol.KINDS and EMBEDDED not in header
-    assert type(header[SEQ]) is int and type(header[RANK]) is int
+    assert header[Field.KIND] in Kind.ALL and Field.EMBEDDED not in header
+    assert type(header[Field.SEQ]) is int and type(header[Field.RANK]) is int
     frames = [bytes(memoryview(p)) for p in parts[1:]]
     sent = msgpack.unpackb(bytes(memoryview(parts[0]))[wire.MAC_SIZE:])
-    if EMBEDDED in sent:  # a small first body frame rides in the header
-        frames.insert(0, sent[EMBEDDED])
+    if Field.EMBEDDED in sent:  # a small first body frame rides in the header
+        frames.insert(0, sent[Field.EMBEDDED])
     assert [bytes(memoryview(b)) for b in body] == frames
 
 
@@ -111,8 +112,8 @@ def test_header_maps_near_the_valid_ones(header, body):
 @given(st.sampled_from(KINDS), st.integers(0, 2 ** 63 - 1), st.integers(-1, 7),
        st.binary(min_size=1, max_size=200), st.integers(0, 10 ** 6), st.integers(0, 255))
 def test_any_alteration_of_an_authentic_message_is_rejected(kind, seq, rank, payload, at, bit):
-    parts = wire.pack(SECRET, {KIND: kind, SEQ: seq, RANK: rank}, [payload])
-    assert wire.unpack(SECRET, parts)[0] == {KIND: kind, SEQ: seq, RANK: rank}
+    parts = wire.pack(SECRET, {Field.KIND: kind, Field.SEQ: seq, Field.RANK: rank}, [payload])
+    assert wire.unpack(SECRET, parts)[0] == {Field.KIND: kind, Field.SEQ: seq, Field.RANK: rank}
     flat = bytearray(b"".join(parts))
     at %= len(flat)
     flat[at] ^= 1 << (bit % 8)
@@ -145,9 +146,10 @@ def random_message(rng: random.Random) -> list[bytes]:
     choice = rng.randrange(5)
     if choice == 0:
         return [rng.randbytes(rng.randrange(100)) for _ in range(rng.randrange(1, 6))]
-    header = {KIND: rng.choice(KINDS), SEQ: rng.randrange(100), RANK: rng.randrange(-1, 3),
-              STATUS: rng.choice([protocol.OK, protocol.RAISED, protocol.UNDELIVERABLE]),
-              DESCRIPTORS: []}
+    header = {Field.KIND: rng.choice(KINDS), Field.SEQ: rng.randrange(100),
+              Field.RANK: rng.randrange(-1, 3),
+              Field.STATUS: rng.choice([Status.OK, Status.RAISED, Status.UNDELIVERABLE]),
+              Field.DESCRIPTORS: []}
     head = msgpack.packb(header)
     if choice == 1:   # signed with the wrong secret
         return wire.pack(rng.randbytes(32), header, [rng.randbytes(20)])

@@ -10,15 +10,15 @@ import pytest
 
 from reactor_dist import RankDesync
 from reactor_dist.outcome import RETURNED, Outcome, judge
-from reactor_dist.protocol import OK, RAISED, UNDELIVERABLE
+from reactor_dist.protocol import Status
 
 
 def raised(exc: BaseException) -> Outcome:
-    return Outcome(RAISED, None, exc, type(exc).__name__)
+    return Outcome(Status.RAISED, None, exc, type(exc).__name__)
 
 
 def test_every_rank_returned_gives_rank_0s_value():
-    verdict = judge("generate", [Outcome(OK, "frames"), RETURNED, RETURNED])
+    verdict = judge("generate", [Outcome(Status.OK, "frames"), RETURNED, RETURNED])
     assert verdict == ("frames", None, False)
 
 
@@ -35,8 +35,8 @@ def test_every_rank_raised_the_same_type_gives_rank_0s_exception(world_size):
 
 def test_same_type_is_judged_by_the_ranks_type_name_not_the_rebuilt_class():
     # An exception that did not pickle arrives as RemoteError; its rank's type name counts.
-    outcomes = [Outcome(RAISED, None, RuntimeError("stand-in"), "mod.Unpicklable"),
-                Outcome(RAISED, None, RuntimeError("stand-in"), "mod.Unpicklable")]
+    outcomes = [Outcome(Status.RAISED, None, RuntimeError("stand-in"), "mod.Unpicklable"),
+                Outcome(Status.RAISED, None, RuntimeError("stand-in"), "mod.Unpicklable")]
     verdict = judge("generate", outcomes)
     assert verdict.error is outcomes[0].error and verdict.breaks is False
 
@@ -63,20 +63,21 @@ def test_some_raised_others_returned_is_a_desync_naming_the_first_failing_rank()
 
 def test_undeliverable_result_alone_keeps_the_runner_healthy():
     error = MemoryError("/dev/shm is full")
-    verdict = judge("generate", [Outcome(UNDELIVERABLE, None, error, "MemoryError"), RETURNED])
+    undeliverable = Outcome(Status.UNDELIVERABLE, None, error, "MemoryError")
+    verdict = judge("generate", [undeliverable, RETURNED])
     assert verdict == (None, error, False)
 
 
 def test_undeliverable_result_beside_the_same_exception_elsewhere_is_that_exception():
     mine, theirs = TypeError("cannot pickle"), TypeError("raised")
-    verdict = judge("generate", [Outcome(UNDELIVERABLE, None, mine, "TypeError"),
+    verdict = judge("generate", [Outcome(Status.UNDELIVERABLE, None, mine, "TypeError"),
                                  raised(theirs)])
     assert verdict.error is mine and verdict.breaks is False
 
 
 def test_undeliverable_result_beside_another_type_is_a_desync():
     mine, theirs = TypeError("cannot pickle"), ValueError("raised")
-    verdict = judge("generate", [Outcome(UNDELIVERABLE, None, mine, "TypeError"),
+    verdict = judge("generate", [Outcome(Status.UNDELIVERABLE, None, mine, "TypeError"),
                                  raised(theirs)])
     assert isinstance(verdict.error, RankDesync) and verdict.breaks is True
     assert "rank 0 raised TypeError, rank 1 raised ValueError" in str(verdict.error)
@@ -85,7 +86,7 @@ def test_undeliverable_result_beside_another_type_is_a_desync():
 
 def test_undeliverable_result_beside_a_raise_and_a_return_is_a_desync():
     mine = TypeError("cannot pickle")
-    verdict = judge("generate", [Outcome(UNDELIVERABLE, None, mine, "TypeError"),
+    verdict = judge("generate", [Outcome(Status.UNDELIVERABLE, None, mine, "TypeError"),
                                  raised(TypeError("x")), RETURNED])
     assert isinstance(verdict.error, RankDesync) and verdict.breaks is True
     assert str(verdict.error).startswith("rank 0 raised TypeError in generate() while rank 2 "

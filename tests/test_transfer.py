@@ -153,7 +153,7 @@ def test_tensor_requires_grad_survives(echo2):
 def test_large_payloads_never_travel_in_band():
     from reactor_dist import transfer
     from reactor_dist.ledger import Ledger
-    from reactor_dist.protocol import SEGMENT
+    from reactor_dist.protocol import Place
 
     ledger = Ledger(shm.DEFAULT_DIR, shm.new_runner_prefix(), "t")
     try:
@@ -161,7 +161,7 @@ def test_large_payloads_never_travel_in_band():
                  "s": np.ones((1000, 1000))[:, ::2]}
         descriptors, frames, used = transfer.encode(value, ledger, "test", holders=["me"])
         assert len(frames[0]) < 1024  # the pickle stream holds descriptors only
-        assert [d.place for d in descriptors] == [SEGMENT] * 3
+        assert [d.place for d in descriptors] == [Place.SEGMENT] * 3
         assert len(used) == 1  # one copy segment for all of them
     finally:
         ledger.close()

@@ -41,18 +41,7 @@ from probe import Probe
 from sample_workers import ScriptedWorker
 
 from reactor_dist import DistributedRunner, shm, wire
-from reactor_dist.protocol import (
-    CALL,
-    DESCRIPTORS,
-    EMBEDDED,
-    KIND,
-    OK,
-    RANK,
-    REPLIES,
-    REPLY,
-    SEQ,
-    STATUS,
-)
+from reactor_dist.protocol import Field, Kind, Status
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
@@ -182,8 +171,8 @@ def test_forged_replayed_and_garbage_messages_are_never_unpickled(tmp_path, monk
         except wire.ProtocolError as exc:
             rejected.append(str(exc))
             raise
-        if header[KIND] not in REPLIES:
-            dropped.append(header[KIND])
+        if header[Field.KIND] not in Kind.REPLIES:
+            dropped.append(header[Field.KIND])
         return header, body
 
     monkeypatch.setattr(wire.Channel, "unpack", counting_unpack)
@@ -225,7 +214,7 @@ def test_forged_replayed_and_garbage_messages_are_never_unpickled(tmp_path, monk
     assert not os.path.exists(evil_path), "a stranger's pickle was loaded"
     # Everything the stranger sent was read and refused (so the test is not vacuous):
     # the replays authenticate but are commands, all the rest fails the MAC check.
-    assert dropped.count(CALL) == 2 * 2
+    assert dropped.count(Kind.CALL) == 2 * 2
     assert len(rejected) == sent - 4, (len(rejected), sent)
     assert all("MAC" in r or "empty" in r or "no room" in r for r in rejected), set(rejected)
 
@@ -275,10 +264,11 @@ def test_shm_entries_are_0600_and_the_ipc_directory_0700():
                                     "add_frame", "swap_key"])
 def test_an_authentic_message_altered_in_any_way_is_rejected(tamper, stream):
     secret = os.urandom(wire.SECRET_SIZE)
-    parts = wire.pack(secret, {KIND: REPLY, SEQ: 7, RANK: 0, STATUS: OK, DESCRIPTORS: []},
-                      [stream, b"buffer"])
+    header = {Field.KIND: Kind.REPLY, Field.SEQ: 7, Field.RANK: 0, Field.STATUS: Status.OK,
+              Field.DESCRIPTORS: []}
+    parts = wire.pack(secret, header, [stream, b"buffer"])
     header, body = wire.unpack(secret, parts)
-    assert header[SEQ] == 7 and body == [stream, b"buffer"]
+    assert header[Field.SEQ] == 7 and body == [stream, b"buffer"]
     assert len(parts) == (2 if len(stream) <= wire.EMBED_LIMIT else 3)
     parts = [bytearray(p) for p in parts]
     if tamper == "flip_mac":
@@ -301,7 +291,7 @@ def test_a_one_frame_message_and_its_split_form_have_different_macs():
     """The MAC of a lone header frame and of length-prefixed frames are personalized
     differently, so no frame split can turn one authentic message into another."""
     secret = os.urandom(wire.SECRET_SIZE)
-    (frame,) = wire.pack(secret, {KIND: REPLY, SEQ: 7, RANK: 0}, [b"tiny"])
+    (frame,) = wire.pack(secret, {Field.KIND: Kind.REPLY, Field.SEQ: 7, Field.RANK: 0}, [b"tiny"])
     head = frame[wire.MAC_SIZE:]
     assert wire._mac(secret, [head]) != wire._mac(secret, [head[:5], head[5:]])
     assert wire._mac(secret, [head]) != wire._mac(secret, [head, b""])
@@ -309,6 +299,7 @@ def test_a_one_frame_message_and_its_split_form_have_different_macs():
 
 def test_an_embedded_body_that_is_not_bytes_is_rejected():
     secret = os.urandom(wire.SECRET_SIZE)
-    head = msgpack.packb({KIND: REPLY, SEQ: 7, RANK: 0, EMBEDDED: "text"}, use_bin_type=True)
+    head = msgpack.packb({Field.KIND: Kind.REPLY, Field.SEQ: 7, Field.RANK: 0,
+                          Field.EMBEDDED: "text"}, use_bin_type=True)
     with pytest.raises(wire.ProtocolError, match="embedded body frame is str"):
         wire.unpack(secret, [wire._mac(secret, [head]) + head])
