@@ -1,4 +1,4 @@
-"""Issue 4, item 4 (DESIGN.md section 7): only the runner and its own ranks talk on the bus.
+"""Only the runner and its own ranks talk on the bus.
 
 A foreign process connects to the runner's sockets and sends forged, replayed and
 garbage messages, some of them carrying a pickle whose load would create a file.
@@ -37,7 +37,7 @@ import time
 import msgpack
 import numpy as np
 import pytest
-from sample_workers import ScriptedWorker
+from sample_workers import Echo, FullArray, SharedArray, Sleep
 
 from reactor_dist import DistributedRunner, shm, wire
 
@@ -174,7 +174,7 @@ def test_forged_replayed_and_garbage_messages_are_never_unpickled(tmp_path, monk
         return header, body
 
     monkeypatch.setattr(wire.Channel, "unpack", counting_unpack)
-    with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
+    with DistributedRunner(Echo, world_size=2, init_process_group=False,
                            device="cpu", call_timeout=10) as runner:
         foreigner = Foreigner(tmp_path, runner._group.ipc_dir, evil_path)
         try:
@@ -189,7 +189,7 @@ def test_forged_replayed_and_garbage_messages_are_never_unpickled(tmp_path, monk
             big = np.arange(1 << 20, dtype=np.float32)
             out: dict = {}
             call = threading.Thread(target=lambda: out.update(r=runner.generate(
-                {"op": "sleep", "seconds": 0.5, "value": big})))
+                Sleep(0.5, value=big))))
             call.start()
             sent = foreigner.attack()
             call.join(15)
@@ -200,7 +200,7 @@ def test_forged_replayed_and_garbage_messages_are_never_unpickled(tmp_path, monk
             sent += foreigner.attack()
             time.sleep(0.3)
             for i in range(5):
-                assert runner.generate({"op": "array", "shape": [1 << 20], "fill": i})[-1] == i
+                assert runner.generate(FullArray([1 << 20], fill=i))[-1] == i
             runner.reset()
             deadline = time.monotonic() + 10  # until the loop has read all that was sent
             while len(rejected) + len(dropped) < sent and time.monotonic() < deadline:
@@ -224,7 +224,7 @@ def secret_forms(secret: bytes) -> list[bytes]:
 
 
 def test_secret_never_in_a_command_line_or_environment():
-    with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
+    with DistributedRunner(Echo, world_size=2, init_process_group=False,
                            device="cpu") as runner:
         secret = runner._group.secret
         assert len(secret) == wire.SECRET_SIZE
@@ -240,11 +240,11 @@ def test_secret_never_in_a_command_line_or_environment():
 
 
 def test_shm_entries_are_0600_and_the_ipc_directory_0700():
-    with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
+    with DistributedRunner(Echo, world_size=2, init_process_group=False,
                            device="cpu") as runner:
         group = runner._group
         held = [runner.generate(np.ones(4 << 20, np.uint8)),                     # input+result
-                runner.generate({"op": "shared", "shape": [4 << 20], "fill": 3})]  # shared_empty
+                runner.generate(SharedArray([4 << 20], fill=3))]  # shared_empty
         entries = [n for n in os.listdir(shm.DEFAULT_DIR) if n.startswith(group.shm_prefix + ".")]
         assert len(entries) >= 3, entries  # the input, a copied result, a shared_empty one
         for name in entries:
