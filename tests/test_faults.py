@@ -1,12 +1,12 @@
-"""The fault matrix (issue 4, item 1) and Ctrl-C (item 3), with real processes.
+"""The fault matrix and Ctrl-C, with real processes.
 
 Every cell is a fault at one phase of a 2-rank runner's life, on rank 0 or rank 1,
 by one means: raising, ``os._exit(3)``, SIGKILL, a real SIGSEGV, hanging.  Each
-cell checks the error DESIGN.md section 3 documents, its time bound (a death within
-1 s of the moment it happened, measured from a stamp the dying rank writes; a hang
-within the timeout + 1 s), ``healthy`` as documented, and that after ``shutdown()``
-no process, /dev/shm entry or ipc directory is left (explicitly here, and again by
-conftest's autouse fixture).
+cell checks the error that README.md's "Error contract" documents, its time bound (a
+death within 1 s of the moment it happened, measured from a stamp the dying rank
+writes; a hang within the timeout + 1 s), ``healthy`` as documented, and that after
+``shutdown()`` no process, /dev/shm entry or ipc directory is left (explicitly here,
+and again by conftest's autouse fixture).
 
 How each phase is reached (sample_workers.FaultWorker and friends):
 
@@ -31,9 +31,9 @@ shutdown()          ``load_kwargs``; fires in the worker's ``__del__``, which ru
 Cells whose literal reading is not meaningful, and what they check instead:
 
 * result pickling / unpickling on rank 1: only rank 0's result is ever pickled
-  and sent (DESIGN.md section 5), so rank 1's booby-trapped result never fires:
-  the call returns rank 0's result and the runner stays healthy.  That *is* the
-  documented behaviour, and the cell proves it.
+  and sent (the other ranks drop theirs without pickling them), so rank 1's
+  booby-trapped result never fires: the call returns rank 0's result and the
+  runner stays healthy.  That *is* the documented behaviour, and the cell proves it.
 * result unpickling on rank 0, by exit / SIGKILL / SIGSEGV: the fault fires in the
   application process itself, so it is the application that dies.  The cell runs
   the application in a subprocess and checks the runner-death promise instead:
@@ -101,7 +101,7 @@ GROUP_LAUNCHER = [sys.executable, "-c",
 
 
 def expected(phase: str, rank: int, means: str) -> str:
-    """What DESIGN.md section 3 promises for one cell (see the module docstring)."""
+    """What the error contract promises for one cell (see the module docstring)."""
     if phase == "shutdown":
         return "clean_shutdown"
     if phase in ("result_pickle", "result_unpickle") and rank == 1:
@@ -402,7 +402,7 @@ def test_a_rank_that_ignores_sigterm_while_hanging_in_shutdown_is_killed():
     assert wait_gone(pids, timeout=0.5) == []
 
 
-# -- Ctrl-C (item 3) -------------------------------------------------------------------------
+# -- Ctrl-C ---------------------------------------------------------------------------------
 @contextlib.contextmanager
 def interrupt_after(delay: float):
     """Deliver a real SIGINT to this process (main thread) after ``delay`` seconds."""

@@ -1,7 +1,7 @@
-"""Issue 4, item 2: the application process dies (SIGKILL: no atexit, no finalizer).
+"""The application process dies (SIGKILL: no atexit, no finalizer).
 
-DESIGN.md section 4: workers exit when the runner process dies, whatever killed it.
-Section 6: no /dev/shm entry outlives the runner, also after a crash or kill.  The
+The ranks exit when the runner process dies, whatever killed it, and no /dev/shm
+entry outlives the runner, also after a crash or kill.  The
 ranks watch the runner's pid (a pidfd): on its death each one removes the runner's
 /dev/shm entries and ipc directory and kills every process it started.  Should the
 ranks die with it (the whole tree SIGKILLed), the next runner started on the machine
