@@ -326,10 +326,12 @@ class HangsInLoadOnRank(Echo):
 
 
 class NoMethods:
-    pass
+    """Not a worker at all: construction must name every missing method."""
 
 
 class OnlyLoad:
+    """A worker with load() alone: construction must name generate and reset."""
+
     def load(self):
         pass
 
