@@ -18,9 +18,18 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, ImageDraw
-from video_app import VideoApp
 
-from workers.video import RolloutExhausted
+# The example models are the checkout's top-level ``workers`` package, which the
+# reactor-dist wheel does not install, and ``python examples/demo.py`` puts only
+# examples/ on the path: add the checkout, whatever the current directory. The ranks
+# start with this process's sys.path, so they import ``workers`` from it too.
+CHECKOUT = str(Path(__file__).resolve().parents[1])
+if CHECKOUT not in sys.path:
+    sys.path.insert(0, CHECKOUT)
+
+from video_app import VideoApp  # noqa: E402  (imports workers: needs the checkout)
+
+from workers.video import RolloutExhausted  # noqa: E402
 
 PROMPTS = ["A walk through a forest.", "Neon city at night.", "Waves on a summer beach."]
 

@@ -15,14 +15,25 @@ Run it: ``python examples/video_app.py --world-size 2 --steps 6``.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from reactor_dist import DistributedRunner
-from workers.video import RolloutExhausted, VideoInput, VideoResult, VideoWorker
+
+# The example models are the checkout's top-level ``workers`` package, which the
+# reactor-dist wheel does not install, and ``python examples/video_app.py`` puts only
+# examples/ on the path: add the checkout, whatever the current directory. The ranks
+# start with this process's sys.path, so they import ``workers`` from it too.
+CHECKOUT = str(Path(__file__).resolve().parents[1])
+if CHECKOUT not in sys.path:
+    sys.path.insert(0, CHECKOUT)
+
+from workers.video import RolloutExhausted, VideoInput, VideoResult, VideoWorker  # noqa: E402
 
 
 class ApplicationError(Exception):

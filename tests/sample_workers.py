@@ -1,13 +1,21 @@
-"""Workers the tests drive: each ``generate`` input is a small script of what to do.
+"""Workers and steps the tests drive.
 
-A script is a dict ``{"op": ..., "ranks": [...] or None (all), ...}``; ranks not
-named by ``ranks`` just echo.  Every rank appends what it ran to
-``<log_dir>/rank<N>.log`` when ``log_dir`` is given, so tests can compare ranks.
+Each worker class below exists for one behaviour a test needs, set with ``load_kwargs``.
+``Echo`` returns what it is sent.  A faulty worker (``Raises``, ``ExitsOnRank``, ...)
+misbehaves on the call that sends it ``FAULT``, on the rank it names (every rank where
+it names none), and otherwise behaves like ``Echo``, so a test can show that the runner
+still answers afterwards.
+
+A runner that must do several kinds of work in one lifetime (the chaos, soak, transfer
+and Ctrl-C tests) is sent *steps*: small objects (``Sleep``, ``FullArray``,
+``SharedArray``, ``SpawnChild``, ...) whose ``run()`` is the work.  ``Echo`` and every
+worker built on it runs a step it is sent and returns the step's result.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import signal
 import subprocess
@@ -16,7 +24,18 @@ import time
 
 import numpy as np
 
-from reactor_dist import DistributedWorker, SharedSlotAllocationFailed
+from reactor_dist import DistributedWorker
+
+FAULT = "fault"  # the input on which a faulty worker misbehaves
+
+
+def is_fault(x) -> bool:
+    return type(x) is str and x == FAULT
+
+
+def hang() -> None:
+    while True:
+        time.sleep(0.05)
 
 
 class Unpicklable(Exception):
@@ -47,111 +66,272 @@ def _explode(message: str):
     raise ValueError(message)
 
 
-class ScriptedWorker(DistributedWorker):
-    def load(self, log_dir: str | None = None, fail_load_on: list[int] | None = None,
-             hang_load_on: list[int] | None = None, print_on_load: str | None = None) -> None:
+# -- steps: work a rank does in one call ------------------------------------------------------
+class Step:
+    """What ``Echo`` runs instead of returning: ``run(worker)`` is the rank's work."""
+
+    def run(self, worker: Echo):
+        raise NotImplementedError
+
+
+@dataclasses.dataclass
+class Sleep(Step):
+    """A call that takes a while: sleep ``seconds``, then return ``value``."""
+
+    seconds: float
+    value: object = None
+
+    def run(self, worker: Echo):
+        time.sleep(self.seconds)
+        return self.value
+
+
+@dataclasses.dataclass
+class FullArray(Step):
+    """A result made on the rank: a fresh numpy array (copied into shared memory)."""
+
+    shape: tuple | list
+    fill: int | float = 1
+    dtype: str = "u1"
+
+    def run(self, worker: Echo):
+        return np.full(self.shape, self.fill, dtype=self.dtype)
+
+
+@dataclasses.dataclass
+class SharedArray(Step):
+    """A result built in shared memory by ``shared_empty`` (sent without a copy)."""
+
+    shape: tuple | list
+    fill: int | float = 7
+    dtype: str = "uint8"
+
+    def run(self, worker: Echo):
+        out = worker.shared_empty(self.shape, self.dtype)
+        out[...] = self.fill
+        return out
+
+
+@dataclasses.dataclass
+class SpawnChild(Step):
+    """Starts a child process that sleeps 600 s and returns its pid; ``detached`` puts it
+    in a session of its own, so that killing the rank's process group alone misses it."""
+
+    detached: bool = False
+
+    def run(self, worker: Echo):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                 start_new_session=self.detached)
+        worker.children.append(child)
+        return child.pid
+
+
+@dataclasses.dataclass
+class WriteInput(Step):
+    """Every rank but 0 overwrites the ``value`` it received at once; rank 0 looks
+    ``delay`` seconds later and returns what it sees (it must not see their writes)."""
+
+    value: np.ndarray
+    delay: float = 0.3
+
+    def run(self, worker: Echo):
+        if worker.rank != 0:
+            self.value[...] = worker.rank + 100
+            return None
+        time.sleep(self.delay)
+        seen = self.value.copy()
+        self.value[...] = 100
+        return seen
+
+
+ENVIRONMENT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "EXTRA", "PREFIXED")
+
+
+@dataclasses.dataclass
+class ReportEnvironment(Step):
+    """Returns the rank's number, its device and the environment variables it was given."""
+
+    def run(self, worker: Echo):
+        return {"rank": worker.rank, "device": worker.device,
+                "env": {k: os.environ.get(k) for k in ENVIRONMENT}}
+
+
+@dataclasses.dataclass
+class AllGather(Step):
+    """A real collective: all_gather of each rank's ``[rank + 1] * 2`` over the group."""
+
+    def run(self, worker: Echo):
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.full((2,), float(worker.rank + 1))
+        parts = [torch.zeros(2) for _ in range(worker.world_size)]
+        dist.all_gather(parts, mine)
+        return torch.cat(parts).numpy()
+
+
+# -- workers ----------------------------------------------------------------------------------
+class Echo(DistributedWorker):
+    """Returns its input (runs a Step); with ``log_dir``, logs each call to rank<N>.log."""
+
+    log_dir: str | None = None
+
+    def load(self, log_dir: str | None = None) -> None:
         self.log_dir = log_dir
         self.children: list[subprocess.Popen] = []
-        if print_on_load:
-            print(f"{print_on_load} from rank {self.rank}", flush=True)
-        if fail_load_on and self.rank in fail_load_on:
-            raise FileNotFoundError(f"weights missing on rank {self.rank}")
-        if hang_load_on and self.rank in hang_load_on:
-            time.sleep(3600)
 
     def log(self, text: str) -> None:
         if self.log_dir:
             with open(os.path.join(self.log_dir, f"rank{self.rank}.log"), "a") as f:
                 f.write(text + "\n")
 
-    def generate(self, script, /):
-        if not isinstance(script, dict) or "op" not in script:
-            self.log(f"echo {script!r}"[:200])
-            return script
-        op = script["op"]
-        self.log(f"{op} {script.get('tag', '')}")
-        targets = script.get("ranks")
-        if targets is not None and self.rank not in targets:
-            return script.get("value")
-        if op == "raise":
-            types = script.get("types", {})
-            name = types.get(self.rank, types.get(str(self.rank), script.get("type", "ValueError")))
-            cls = {"ValueError": ValueError, "KeyError": KeyError, "ZeroDivisionError":
-                   ZeroDivisionError, "Unpicklable": Unpicklable,
-                   "NeedsTwoArgs": NeedsTwoArgs,
-                   "SharedSlotAllocationFailed": SharedSlotAllocationFailed}[name]
-            if cls is NeedsTwoArgs:
-                raise NeedsTwoArgs("left", "right")
-            raise cls(f"boom on rank {self.rank}")
-        if op == "exit":
-            print(f"rank {self.rank} about to exit", flush=True)
-            sys.stderr.write(f"last words of rank {self.rank}\n")
-            sys.stderr.flush()
-            os._exit(script.get("code", 3))
-        if op == "signal":
-            print(f"rank {self.rank} about to be signalled", flush=True)
-            os.kill(os.getpid(), script.get("sig", signal.SIGKILL))
-            time.sleep(10)
-        if op == "segv":
-            ctypes.string_at(0)
-        if op == "raise_or_hang":
-            if self.rank == 0:
-                raise ValueError("rank 0 gave up")
-            op = "hang"
-        if op == "hang":
-            while True:
-                time.sleep(0.05)
-        if op == "sleep":
-            time.sleep(script["seconds"])
-            return script.get("value")
-        if op == "env":
-            keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                    "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "EXTRA", "PREFIXED")
-            return {"rank": self.rank, "device": self.device,
-                    "env": {k: os.environ.get(k) for k in keys}}
-        if op == "spawn_child":
-            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-            self.children.append(child)
-            return child.pid
-        if op == "allgather":
-            import torch
-            import torch.distributed as dist
-
-            mine = torch.full((2,), float(self.rank + 1))
-            parts = [torch.zeros(2) for _ in range(self.world_size)]
-            dist.all_gather(parts, mine)
-            return torch.cat(parts).numpy()
-        if op == "unpicklable_result":
-            return lambda: None
-        if op == "bad_result":
-            return BadSetState()
-        if op == "shared":
-            out = self.shared_empty(script["shape"], script.get("dtype", "uint8"))
-            out[...] = script.get("fill", 7)
-            return out
-        if op == "array":
-            return np.full(script["shape"], script.get("fill", 1), dtype=script.get("dtype", "u1"))
-        if op == "write_input":
-            # Rank 1.. write at once; rank 0 looks a little later: it must not see their writes.
-            array = script["value"]
-            if self.rank != 0:
-                array[...] = self.rank + 100
-                return None
-            time.sleep(script.get("delay", 0.3))
-            seen = array.copy()
-            array[...] = 100
-            return seen
-        raise ValueError(f"unknown op {op!r}")
+    def generate(self, x, /):
+        if isinstance(x, Step):
+            self.log(type(x).__name__)
+            return x.run(self)
+        self.log(f"echo {x!r}"[:200])
+        return x
 
     def reset(self) -> None:
         self.log("reset")
 
 
+class Faulty(Echo):
+    """Base of the faulty workers: for the input ``FAULT``, rank ``rank`` (every rank
+    when None) runs ``fault()``; every other call is Echo's."""
+
+    def load(self, rank: int | None = None) -> None:
+        super().load()
+        self.target = rank
+
+    def generate(self, x, /):
+        if is_fault(x) and self.target in (None, self.rank):
+            return self.fault()
+        return super().generate(x)
+
+    def fault(self):
+        raise NotImplementedError
+
+
+class Raises(Faulty):
+    """Raises ``error("boom on rank N")``: the same type everywhere, or on one rank alone."""
+
+    def load(self, error: type[BaseException] = ValueError, rank: int | None = None) -> None:
+        super().load(rank)
+        self.error = error
+
+    def fault(self):
+        raise self.error(f"boom on rank {self.rank}")
+
+
+class RaisesPerRank(Faulty):
+    """Rank N raises ``errors[N]``: ranks that disagree on the exception's type."""
+
+    def load(self, errors: list[type[BaseException]]) -> None:
+        super().load()
+        self.errors = errors
+
+    def fault(self):
+        raise self.errors[self.rank](f"boom on rank {self.rank}")
+
+
+class RaisesNeedsTwoArgs(Faulty):
+    """Raises an exception that pickles on the rank but cannot be unpickled by the caller."""
+
+    def fault(self):
+        raise NeedsTwoArgs("left", "right")
+
+
+class Rank0RaisesOthersHang(Faulty):
+    """Rank 0 raises; the others hang, as they would waiting for rank 0 in a collective."""
+
+    def fault(self):
+        if self.rank == 0:
+            raise ValueError("rank 0 gave up")
+        hang()
+
+
+class ExitsOnRank(Faulty):
+    """Prints, writes last words to stderr, then ``os._exit(code)``: a rank that exits."""
+
+    def load(self, rank: int, code: int = 3) -> None:
+        super().load(rank)
+        self.code = code
+
+    def fault(self):
+        print(f"rank {self.rank} about to exit", flush=True)
+        sys.stderr.write(f"last words of rank {self.rank}\n")
+        sys.stderr.flush()
+        os._exit(self.code)
+
+
+class KillsItselfOnRank(Faulty):
+    """Sends itself ``sig`` (SIGKILL by default): a rank killed by a signal."""
+
+    def load(self, rank: int, sig: int = signal.SIGKILL) -> None:
+        super().load(rank)
+        self.sig = sig
+
+    def fault(self):
+        print(f"rank {self.rank} about to be signalled", flush=True)
+        os.kill(os.getpid(), self.sig)
+        time.sleep(10)
+
+
+class SegfaultsOnRank(Faulty):
+    """Reads address 0: a real SIGSEGV, with faulthandler's dump of the stack."""
+
+    def fault(self):
+        ctypes.string_at(0)
+
+
+class HangsOnRank(Faulty):
+    """Never returns from generate(): a rank that hangs."""
+
+    def fault(self):
+        hang()
+
+
+class ReturnsUnpicklableResult(Faulty):
+    """Returns a lambda, which the rank cannot pickle to send back."""
+
+    def fault(self):
+        return lambda: None
+
+
+class ReturnsResultThatCannotBeRebuilt(Faulty):
+    """Returns a result that pickles on the rank but raises when the caller unpickles it."""
+
+    def fault(self):
+        return BadSetState()
+
+
+class FailsToLoadOnRank(Echo):
+    """load() raises FileNotFoundError on rank ``rank``: weights missing there."""
+
+    def load(self, rank: int) -> None:
+        super().load()
+        if self.rank == rank:
+            raise FileNotFoundError(f"weights missing on rank {self.rank}")
+
+
+class HangsInLoadOnRank(Echo):
+    """load() never returns on rank ``rank``: a start that hangs."""
+
+    def load(self, rank: int) -> None:
+        super().load()
+        if self.rank == rank:
+            time.sleep(3600)
+
+
 class NoMethods:
-    pass
+    """Not a worker at all: construction must name every missing method."""
 
 
 class OnlyLoad:
+    """A worker with load() alone: construction must name generate and reset."""
+
     def load(self):
         pass
 
@@ -293,19 +473,6 @@ def run_launcher_with_group_fault() -> None:
 
     rank.RankServer.form_group = faulty_form_group
     sys.exit(rank.main([]))
-
-
-class ChildSpawningWorker(ScriptedWorker):
-    """ScriptedWorker plus ``{"op": "spawn_detached"}``: a child that leaves the rank's
-    process group (its own session), so that killing the group alone would miss it."""
-
-    def generate(self, script, /):
-        if isinstance(script, dict) and script.get("op") == "spawn_detached":
-            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
-                                     start_new_session=True)
-            self.children.append(child)
-            return child.pid
-        return super().generate(script)
 
 
 class TorchrunStyleWorker(DistributedWorker):

@@ -1,4 +1,4 @@
-"""Issue 4, item 7 (slow): 30 runner lifetimes, each killing a random rank at a random
+"""Chaos (slow): 30 runner lifetimes, each killing a random rank at a random
 moment of a random call.
 
 Every call either returns its correct result or raises a documented error within
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from conftest import wait_gone
 from probe import Probe
-from sample_workers import ScriptedWorker
+from sample_workers import Echo, FullArray, SharedArray, Sleep, SpawnChild
 
 from reactor_dist import DistributedRunner, WorkerCrashed, shm
 
@@ -41,20 +41,20 @@ def random_call(rng: random.Random, runner: DistributedRunner, i: int):
         return kind, lambda: runner.generate(value), lambda out: np.array_equal(out, value)
     if kind in ("array", "shared"):
         n = rng.choice([1 << 10, 4 << 20, 8 << 20])
-        script = {"op": kind, "shape": [n], "fill": i % 200}
-        return kind, lambda: runner.generate(script), \
+        step = (FullArray if kind == "array" else SharedArray)([n], fill=i % 200)
+        return kind, lambda: runner.generate(step), \
             lambda out: out.shape == (n,) and int(out[0]) == int(out[-1]) == i % 200
     if kind == "sleep":
-        script = {"op": "sleep", "seconds": rng.uniform(0.01, 0.1), "value": i}
-        return kind, lambda: runner.generate(script), lambda out: out == i
+        step = Sleep(rng.uniform(0.01, 0.1), value=i)
+        return kind, lambda: runner.generate(step), lambda out: out == i
     if kind == "reset":
         return kind, runner.reset, lambda out: out is None
-    return kind, lambda: runner.generate({"op": "spawn_child"}), lambda out: out > 0
+    return kind, lambda: runner.generate(SpawnChild()), lambda out: out > 0
 
 
 def lifetime(rng: random.Random, life: int) -> str:
     world_size = rng.choice([2, 2, 3])
-    runner = DistributedRunner(ScriptedWorker, world_size=world_size, init_process_group=False,
+    runner = DistributedRunner(Echo, world_size=world_size, init_process_group=False,
                                device="cpu", call_timeout=10)
     try:
         runner.start()

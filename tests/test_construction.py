@@ -1,7 +1,8 @@
-"""DESIGN.md section 2: everything checked at construction, before any process exists."""
+"""Everything DistributedRunner() checks at construction, before any process exists."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -9,7 +10,7 @@ import types
 
 import psutil
 import pytest
-from sample_workers import NoMethods, OnlyLoad, ScriptedWorker
+from sample_workers import Echo, NoMethods, OnlyLoad
 
 from reactor_dist import DistributedRunner, DistributedWorker
 
@@ -22,7 +23,7 @@ def no_children() -> bool:
 def test_world_size_must_be_a_positive_int(bad):
     expected = r"world_size must be a positive int.*" + type(bad).__name__
     with pytest.raises(ValueError, match=expected):
-        DistributedRunner(ScriptedWorker, world_size=bad)
+        DistributedRunner(Echo, world_size=bad)
     assert no_children()
 
 
@@ -42,7 +43,7 @@ def test_base_class_generate_does_not_count():
 
 def test_not_a_class():
     with pytest.raises(TypeError, match="must be a class"):
-        DistributedRunner(ScriptedWorker())
+        DistributedRunner(Echo())
 
 
 def test_local_class_is_refused_with_the_fix():
@@ -74,7 +75,7 @@ def test_unreachable_class_is_refused():
 
 def test_unpicklable_load_kwarg_is_named():
     with pytest.raises(TypeError, match=r"load_kwargs\['lock'\] cannot be pickled"):
-        DistributedRunner(ScriptedWorker, load_kwargs={"log_dir": None, "lock": threading.Lock()})
+        DistributedRunner(Echo, load_kwargs={"log_dir": None, "lock": threading.Lock()})
     assert no_children()
 
 
@@ -86,11 +87,11 @@ def test_unpicklable_load_kwarg_is_named():
 ])
 def test_bad_options(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        DistributedRunner(ScriptedWorker, **kwargs)
+        DistributedRunner(Echo, **kwargs)
 
 
 def test_calls_before_start_and_second_start():
-    runner = DistributedRunner(ScriptedWorker, init_process_group=False, device="cpu")
+    runner = DistributedRunner(Echo, init_process_group=False, device="cpu")
     with pytest.raises(RuntimeError, match=r"start\(\) has not run"):
         runner.generate(1)
     with pytest.raises(RuntimeError, match=r"start\(\) has not run"):
@@ -109,15 +110,21 @@ def test_calls_before_start_and_second_start():
     runner.shutdown()  # idempotent
 
 
-def test_launcher_help():
-    out = subprocess.run([sys.executable, "-m", "reactor_dist.launcher", "--help"],
-                         capture_output=True, text=True, timeout=60)
+# The rank's entry points: the module, its former name, and the installed script.
+RANK_ENTRIES = [[sys.executable, "-m", "reactor_dist.rank"],
+                [sys.executable, "-m", "reactor_dist.launcher"],
+                [os.path.join(os.path.dirname(sys.executable), "reactor-dist-worker")]]
+
+
+@pytest.mark.parametrize("entry", RANK_ENTRIES, ids=["rank", "launcher", "script"])
+def test_rank_entry_point_help(entry):
+    out = subprocess.run([*entry, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     assert "reactor-dist-worker" in out.stdout and "launch_prefix" in out.stdout
 
 
-def test_launcher_refuses_to_run_without_bootstrap():
-    out = subprocess.run([sys.executable, "-m", "reactor_dist.launcher"], input=b"",
-                         capture_output=True, timeout=60)
+@pytest.mark.parametrize("entry", RANK_ENTRIES, ids=["rank", "launcher", "script"])
+def test_rank_entry_point_refuses_to_run_without_bootstrap(entry):
+    out = subprocess.run(entry, input=b"", capture_output=True, timeout=60)
     assert out.returncode != 0
     assert b"started by DistributedRunner" in out.stderr

@@ -1,4 +1,5 @@
-"""DESIGN.md section 3, row by row, at world_size 1 and 2, with real processes."""
+"""The error contract, case by case, at world_size 1 and 2, with real processes: what
+each failure of a rank raises in the caller, and whether the runner stays usable."""
 
 from __future__ import annotations
 
@@ -8,7 +9,26 @@ import time
 
 import pytest
 from probe import Probe
-from sample_workers import NeedsTwoArgs, ScriptedWorker
+from sample_workers import (
+    FAULT,
+    Echo,
+    ExitsOnRank,
+    FailsToLoadOnRank,
+    HangsInLoadOnRank,
+    HangsOnRank,
+    KillsItselfOnRank,
+    NeedsTwoArgs,
+    Raises,
+    RaisesNeedsTwoArgs,
+    RaisesPerRank,
+    Rank0RaisesOthersHang,
+    ReportEnvironment,
+    ReturnsResultThatCannotBeRebuilt,
+    ReturnsUnpicklableResult,
+    SegfaultsOnRank,
+    Sleep,
+    Unpicklable,
+)
 
 from reactor_dist import (
     DistributedRunner,
@@ -21,10 +41,10 @@ from reactor_dist import (
 from reactor_dist.errors import RemoteTraceback
 
 
-def runner_for(world_size: int, **kw) -> DistributedRunner:
+def runner_for(world_size: int, worker: type = Echo, **kw) -> DistributedRunner:
     kw.setdefault("init_process_group", False)
     kw.setdefault("device", "cpu")
-    return DistributedRunner(ScriptedWorker, world_size=world_size, **kw)
+    return DistributedRunner(worker, world_size=world_size, **kw)
 
 
 def assert_unusable(runner: DistributedRunner, cause_type: type) -> None:
@@ -39,7 +59,7 @@ def assert_unusable(runner: DistributedRunner, cause_type: type) -> None:
 def test_every_rank_returned(world_size):
     with runner_for(world_size) as runner:
         assert runner.world_size == world_size
-        assert runner.generate({"op": "env"})["rank"] == 0
+        assert runner.generate(ReportEnvironment())["rank"] == 0
         assert runner.generate([1, "two", 3.0]) == [1, "two", 3.0]
         assert runner.reset() is None
         assert runner.healthy
@@ -47,9 +67,9 @@ def test_every_rank_returned(world_size):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_same_exception_everywhere_is_rank0s_and_runner_stays_healthy(world_size):
-    with runner_for(world_size) as runner:
+    with runner_for(world_size, Raises, load_kwargs={"error": ZeroDivisionError}) as runner:
         with pytest.raises(ZeroDivisionError) as info:
-            runner.generate({"op": "raise", "type": "ZeroDivisionError"})
+            runner.generate(FAULT)
         assert info.value.args == ("boom on rank 0",)
         assert isinstance(info.value.__cause__, RemoteTraceback)
         assert "[rank 0] remote traceback" in str(info.value.__cause__)
@@ -59,9 +79,9 @@ def test_same_exception_everywhere_is_rank0s_and_runner_stays_healthy(world_size
 
 
 def test_some_ranks_raised_is_desync():
-    with runner_for(2) as runner:
+    with runner_for(2, Raises, load_kwargs={"error": KeyError, "rank": 1}) as runner:
         with pytest.raises(RankDesync) as info:
-            runner.generate({"op": "raise", "ranks": [1], "type": "KeyError"})
+            runner.generate(FAULT)
         assert "rank 1 raised KeyError" in str(info.value)
         assert isinstance(info.value.__cause__, KeyError)
         assert info.value.__cause__.args == ("boom on rank 1",)
@@ -69,9 +89,9 @@ def test_some_ranks_raised_is_desync():
 
 
 def test_different_types_is_desync_naming_each():
-    with runner_for(2) as runner:
+    with runner_for(2, RaisesPerRank, load_kwargs={"errors": [ValueError, KeyError]}) as runner:
         with pytest.raises(RankDesync) as info:
-            runner.generate({"op": "raise", "types": {0: "ValueError", 1: "KeyError"}})
+            runner.generate(FAULT)
         assert "rank 0 raised ValueError, rank 1 raised KeyError" in str(info.value)
         assert_unusable(runner, RankDesync)
 
@@ -79,10 +99,11 @@ def test_different_types_is_desync_naming_each():
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_exit_is_reported_within_a_second_with_code_and_output(world_size):
     rank = world_size - 1
-    with runner_for(world_size, call_timeout=30) as runner:
+    with runner_for(world_size, ExitsOnRank, load_kwargs={"rank": rank, "code": 3},
+                    call_timeout=30) as runner:
         started = time.monotonic()
         with pytest.raises(WorkerCrashed) as info:
-            runner.generate({"op": "exit", "ranks": [rank], "code": 3, "value": 1})
+            runner.generate(FAULT)
         assert time.monotonic() - started < 1.0
         message = str(info.value)
         assert f"rank {rank} died" in message and "exited with code 3" in message
@@ -92,16 +113,16 @@ def test_exit_is_reported_within_a_second_with_code_and_output(world_size):
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_signal_death_names_the_signal(sig):
-    with runner_for(2) as runner:
+    with runner_for(2, KillsItselfOnRank, load_kwargs={"rank": 1, "sig": int(sig)}) as runner:
         with pytest.raises(WorkerCrashed, match=f"rank 1 died.*killed by {sig.name}"):
-            runner.generate({"op": "signal", "ranks": [1], "sig": int(sig)})
+            runner.generate(FAULT)
         assert_unusable(runner, WorkerCrashed)
 
 
 def test_segfault_is_a_crash_with_the_faulthandler_dump():
-    with runner_for(2) as runner:
+    with runner_for(2, SegfaultsOnRank, load_kwargs={"rank": 0}) as runner:
         with pytest.raises(WorkerCrashed) as info:
-            runner.generate({"op": "segv", "ranks": [0]})
+            runner.generate(FAULT)
         assert "killed by SIGSEGV" in str(info.value)
         assert "Fatal Python error: Segmentation fault" in str(info.value)
 
@@ -124,10 +145,11 @@ def test_death_while_idle_is_seen_by_healthy_and_the_next_call():
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_hang_times_out_naming_the_silent_ranks_with_their_stacks(world_size):
     silent = world_size - 1
-    with runner_for(world_size, call_timeout=0.5) as runner:
+    with runner_for(world_size, HangsOnRank, load_kwargs={"rank": silent},
+                    call_timeout=0.5) as runner:
         started = time.monotonic()
         with pytest.raises(WorkerTimeout) as info:
-            runner.generate({"op": "hang", "ranks": [silent]})
+            runner.generate(FAULT)
         elapsed = time.monotonic() - started
         assert 0.5 <= elapsed < 1.5
         message = str(info.value)
@@ -138,23 +160,23 @@ def test_hang_times_out_naming_the_silent_ranks_with_their_stacks(world_size):
 
 def test_per_call_timeout_overrides_call_timeout():
     with runner_for(1, call_timeout=30) as runner:
-        assert runner.generate({"op": "sleep", "seconds": 0.2, "value": 5}, timeout=5) == 5
+        assert runner.generate(Sleep(0.2, value=5), timeout=5) == 5
         started = time.monotonic()
         with pytest.raises(WorkerTimeout):
-            runner.generate({"op": "sleep", "seconds": 10}, timeout=0.3)
+            runner.generate(Sleep(10), timeout=0.3)
         assert time.monotonic() - started < 1.3
 
 
 def test_timeout_mentions_ranks_that_raised_first():
-    with runner_for(2, call_timeout=0.5) as runner:
+    with runner_for(2, Rank0RaisesOthersHang, call_timeout=0.5) as runner:
         # rank 0 raises, rank 1 hangs (as it would, waiting for rank 0 in a collective)
         with pytest.raises(WorkerTimeout, match="no answer from rank 1.*rank 0 raised ValueError"):
-            runner.generate({"op": "raise_or_hang"})
+            runner.generate(FAULT)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_load_error_is_raised_by_start_and_leaves_nothing(world_size):
-    runner = runner_for(world_size, load_kwargs={"fail_load_on": [world_size - 1]})
+    runner = runner_for(world_size, FailsToLoadOnRank, load_kwargs={"rank": world_size - 1})
     expected = f"weights missing on rank {world_size - 1}"
     with pytest.raises(FileNotFoundError, match=expected) as info:
         runner.start()
@@ -164,7 +186,7 @@ def test_load_error_is_raised_by_start_and_leaves_nothing(world_size):
 
 
 def test_start_timeout_when_load_hangs():
-    runner = runner_for(2, load_kwargs={"hang_load_on": [1]}, start_timeout=1.0)
+    runner = runner_for(2, HangsInLoadOnRank, load_kwargs={"rank": 1}, start_timeout=1.0)
     with pytest.raises(WorkerTimeout, match="no answer from rank 1 within 1 s during start"):
         runner.start()
     assert not runner.healthy
@@ -172,9 +194,9 @@ def test_start_timeout_when_load_hangs():
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_unpicklable_exception_still_names_type_message_traceback(world_size):
-    with runner_for(world_size) as runner:
+    with runner_for(world_size, Raises, load_kwargs={"error": Unpicklable}) as runner:
         with pytest.raises(RemoteError) as info:
-            runner.generate({"op": "raise", "type": "Unpicklable"})
+            runner.generate(FAULT)
         assert info.value.type_name == "sample_workers.Unpicklable"
         assert info.value.message == "boom on rank 0"
         assert "Traceback" in info.value.traceback_text
@@ -183,9 +205,9 @@ def test_unpicklable_exception_still_names_type_message_traceback(world_size):
 
 
 def test_exception_that_pickles_but_does_not_unpickle():
-    with runner_for(2) as runner:
+    with runner_for(2, RaisesNeedsTwoArgs) as runner:
         with pytest.raises(RemoteError, match="NeedsTwoArgs: left-right"):
-            runner.generate({"op": "raise", "type": "NeedsTwoArgs"})
+            runner.generate(FAULT)
         assert runner.healthy
     assert NeedsTwoArgs  # the type exists here too; only its unpickling is broken
 
@@ -194,7 +216,7 @@ def test_exception_that_pickles_but_does_not_unpickle():
 def test_unpicklable_input_is_a_type_error_before_sending(world_size, log_dir):
     with runner_for(world_size, load_kwargs={"log_dir": log_dir}) as runner:
         with pytest.raises(TypeError, match="input of generate\\(\\) cannot be pickled"):
-            runner.generate({"op": "echo", "value": lambda: 1})
+            runner.generate({"value": lambda: 1})
         assert runner.healthy
         assert runner.generate("after") == "after"
     for rank in range(world_size):
@@ -203,31 +225,32 @@ def test_unpicklable_input_is_a_type_error_before_sending(world_size, log_dir):
 
 
 def test_unpicklable_result_is_an_error_but_runner_stays_healthy():
-    with runner_for(2) as runner:
+    with runner_for(2, ReturnsUnpicklableResult) as runner:
         with pytest.raises(Exception, match="pickle") as info:
-            runner.generate({"op": "unpicklable_result"})
+            runner.generate(FAULT)
         assert "local object" in str(info.value) or "lambda" in str(info.value)
         assert runner.healthy
         assert runner.generate(3) == 3
 
 
 def test_result_that_fails_to_unpickle_in_the_caller():
-    with runner_for(2) as runner:
+    with runner_for(2, ReturnsResultThatCannotBeRebuilt) as runner:
         with pytest.raises(ValueError, match="BadSetState cannot be rebuilt"):
-            runner.generate({"op": "bad_result"})
+            runner.generate(FAULT)
         assert runner.healthy
         assert runner.generate(4) == 4
 
 
 def test_a_shm_error_raised_by_every_rank_is_an_ordinary_same_type_error():
-    with runner_for(2) as runner:
+    with runner_for(2, Raises, load_kwargs={"error": SharedSlotAllocationFailed}) as runner:
         with pytest.raises(SharedSlotAllocationFailed, match="boom on rank 0"):
-            runner.generate({"op": "raise", "type": "SharedSlotAllocationFailed"})
+            runner.generate(FAULT)
         assert runner.healthy
 
 
 def test_a_shm_error_on_rank1_alone_is_a_desync_not_swallowed():
-    with runner_for(2) as runner:
+    with runner_for(2, Raises, load_kwargs={"error": SharedSlotAllocationFailed,
+                                            "rank": 1}) as runner:
         with pytest.raises(RankDesync, match="rank 1 raised .*SharedSlotAllocationFailed"):
-            runner.generate({"op": "raise", "ranks": [1], "type": "SharedSlotAllocationFailed"})
+            runner.generate(FAULT)
         assert not runner.healthy

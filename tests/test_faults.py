@@ -1,12 +1,12 @@
-"""The fault matrix (issue 4, item 1) and Ctrl-C (item 3), with real processes.
+"""The fault matrix and Ctrl-C, with real processes.
 
 Every cell is a fault at one phase of a 2-rank runner's life, on rank 0 or rank 1,
 by one means: raising, ``os._exit(3)``, SIGKILL, a real SIGSEGV, hanging.  Each
-cell checks the error DESIGN.md section 3 documents, its time bound (a death within
-1 s of the moment it happened, measured from a stamp the dying rank writes; a hang
-within the timeout + 1 s), ``healthy`` as documented, and that after ``shutdown()``
-no process, /dev/shm entry or ipc directory is left (explicitly here, and again by
-conftest's autouse fixture).
+cell checks the error that README.md's "Error contract" documents, its time bound (a
+death within 1 s of the moment it happened, measured from a stamp the dying rank
+writes; a hang within the timeout + 1 s), ``healthy`` as documented, and that after
+``shutdown()`` no process, /dev/shm entry or ipc directory is left (explicitly here,
+and again by conftest's autouse fixture).
 
 How each phase is reached (sample_workers.FaultWorker and friends):
 
@@ -31,9 +31,9 @@ shutdown()          ``load_kwargs``; fires in the worker's ``__del__``, which ru
 Cells whose literal reading is not meaningful, and what they check instead:
 
 * result pickling / unpickling on rank 1: only rank 0's result is ever pickled
-  and sent (DESIGN.md section 5), so rank 1's booby-trapped result never fires:
-  the call returns rank 0's result and the runner stays healthy.  That *is* the
-  documented behaviour, and the cell proves it.
+  and sent (the other ranks drop theirs without pickling them), so rank 1's
+  booby-trapped result never fires: the call returns rank 0's result and the
+  runner stays healthy.  That *is* the documented behaviour, and the cell proves it.
 * result unpickling on rank 0, by exit / SIGKILL / SIGSEGV: the fault fires in the
   application process itself, so it is the application that dies.  The cell runs
   the application in a subprocess and checks the runner-death promise instead:
@@ -67,12 +67,17 @@ import pytest
 from conftest import live_descendants, our_shm_entries, wait_gone
 from probe import Probe
 from sample_workers import (
+    FAULT,
     FAULT_MEANS,
-    ChildSpawningWorker,
+    Echo,
     FaultOnUnpickle,
     FaultWorker,
+    FullArray,
+    HangsInLoadOnRank,
     InjectedFault,
-    ScriptedWorker,
+    KillsItselfOnRank,
+    Sleep,
+    SpawnChild,
 )
 
 from reactor_dist import DistributedRunner, RankDesync, WorkerCrashed, WorkerTimeout, shm
@@ -97,7 +102,7 @@ GROUP_LAUNCHER = [sys.executable, "-c",
 
 
 def expected(phase: str, rank: int, means: str) -> str:
-    """What DESIGN.md section 3 promises for one cell (see the module docstring)."""
+    """What the error contract promises for one cell (see the module docstring)."""
     if phase == "shutdown":
         return "clean_shutdown"
     if phase in ("result_pickle", "result_unpickle") and rank == 1:
@@ -395,7 +400,7 @@ def test_a_rank_that_ignores_sigterm_while_hanging_in_shutdown_is_killed():
     assert wait_gone(pids, timeout=0.5) == []
 
 
-# -- Ctrl-C (item 3) -------------------------------------------------------------------------
+# -- Ctrl-C ---------------------------------------------------------------------------------
 @contextlib.contextmanager
 def interrupt_after(delay: float):
     """Deliver a real SIGINT to this process (main thread) after ``delay`` seconds."""
@@ -423,22 +428,22 @@ def test_ctrl_c_reaches_the_caller_at_once_and_the_runner_stays_usable(call_time
     """The chosen behaviour: KeyboardInterrupt at once; the runner stays usable; the
     interrupted call's late reply is recognised by its sequence number and discarded
     (its shared-memory result released), so the next call gets its own result."""
-    with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
+    with DistributedRunner(Echo, world_size=2, init_process_group=False,
                            device="cpu", call_timeout=call_timeout) as runner:
         old = np.full(8 << 20, 1, np.uint8)
-        runner.generate({"op": "sleep", "seconds": 0, "value": old})  # warm the pools
+        runner.generate(Sleep(0, value=old))  # warm the pools
         usage = []
         for i in range(3):
             with interrupt_after(0.2):
                 started = time.monotonic()
                 with pytest.raises(KeyboardInterrupt):
-                    runner.generate({"op": "sleep", "seconds": 0.4, "value": old})
+                    runner.generate(Sleep(0.4, value=old))
                 assert time.monotonic() - started < 0.2 + 0.2
             assert runner.healthy
             # The ranks still finish the interrupted step first; this call waits for it.
-            new = runner.generate({"op": "sleep", "seconds": 0, "value": f"new {i}"})
+            new = runner.generate(Sleep(0, value=f"new {i}"))
             assert new == f"new {i}"
-            big = runner.generate({"op": "array", "shape": [8 << 20], "fill": 2})
+            big = runner.generate(FullArray([8 << 20], fill=2))
             assert int(big[0]) == 2 and int(big[-1]) == 2
             del big
             usage.append(shm_usage(Probe(runner).shm_prefix))
@@ -448,11 +453,11 @@ def test_ctrl_c_reaches_the_caller_at_once_and_the_runner_stays_usable(call_time
 
 
 def test_ctrl_c_during_reset_keeps_the_runner_usable():
-    with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
+    with DistributedRunner(Echo, world_size=2, init_process_group=False,
                            device="cpu") as runner:
-        runner.generate({"op": "sleep", "seconds": 0.5})  # the reset queues behind it
+        runner.generate(Sleep(0.5))  # the reset queues behind it
         with interrupt_after(0.1), pytest.raises(KeyboardInterrupt):
-            runner.generate({"op": "sleep", "seconds": 0.5, "value": "old"})
+            runner.generate(Sleep(0.5, value="old"))
         with interrupt_after(0.1), pytest.raises(KeyboardInterrupt):
             runner.reset()
         assert runner.generate("fresh") == "fresh"
@@ -461,8 +466,8 @@ def test_ctrl_c_during_reset_keeps_the_runner_usable():
 
 def test_ctrl_c_during_start_leaves_nothing():
     baseline = {p.pid for p in live_descendants()}
-    runner = DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
-                               device="cpu", load_kwargs={"hang_load_on": [1]})
+    runner = DistributedRunner(HangsInLoadOnRank, world_size=2, init_process_group=False,
+                               device="cpu", load_kwargs={"rank": 1})
     with interrupt_after(0.6), pytest.raises(KeyboardInterrupt):
         runner.start()
     left = [p.pid for p in live_descendants() if p.pid not in baseline]
@@ -556,12 +561,12 @@ def test_a_terminal_ctrl_c_reaches_the_caller_but_not_the_ranks(tmp_path):
 def test_the_next_call_never_receives_the_interrupted_calls_result():
     """Even when the interrupted call finishes while the next one waits, and the next
     one's own answer would be identical in shape: the sequence number tells them apart."""
-    with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
+    with DistributedRunner(Echo, world_size=2, init_process_group=False,
                            device="cpu") as runner:
         for i in range(3):
             with interrupt_after(0.1), pytest.raises(KeyboardInterrupt):
-                runner.generate({"op": "sleep", "seconds": 0.3, "value": ("old", i)})
-            assert runner.generate({"op": "sleep", "seconds": 0.05, "value": ("new", i)}) == \
+                runner.generate(Sleep(0.3, value=("old", i)))
+            assert runner.generate(Sleep(0.05, value=("new", i))) == \
                 ("new", i)
 
 
@@ -591,13 +596,14 @@ def test_shutdown_ends_what_a_crashed_rank_started_even_outside_its_group(victim
     """A rank that dies leaves its children to init: the tree no longer leads to them,
     and a child that left the rank's process group (setsid) escapes the group kill too.
     shutdown() must still end them (they may hold a GPU)."""
-    with DistributedRunner(ChildSpawningWorker, world_size=2, init_process_group=False,
-                           device="cpu") as runner:
-        detached = runner.generate({"op": "spawn_detached"})
-        child = runner.generate({"op": "spawn_child"})
+    kill = {"rank": victim, "sig": int(signal.SIGKILL)}
+    with DistributedRunner(KillsItselfOnRank, world_size=2, init_process_group=False,
+                           device="cpu", load_kwargs=kill) as runner:
+        detached = runner.generate(SpawnChild(detached=True))
+        child = runner.generate(SpawnChild())
         assert os.getsid(detached) != os.getsid(Probe(runner).rank_pids[0])
         with pytest.raises(WorkerCrashed):
-            runner.generate({"op": "signal", "ranks": [victim], "sig": int(signal.SIGKILL)})
+            runner.generate(FAULT)
         others = processes_of(runner)
         started = time.monotonic()
     assert time.monotonic() - started < 1.0

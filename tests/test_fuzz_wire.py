@@ -1,4 +1,4 @@
-"""Issue 4, item 5: fuzzing the header/frame decoder and the runner's waiting loop.
+"""Fuzzing the header/frame decoder and the runner's waiting loop.
 
 ``wire.unpack`` must turn every message that is not an authentic, well-formed one
 into ``wire.ProtocolError`` (never another exception, never a hang), and accept
@@ -22,7 +22,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from probe import Probe
-from sample_workers import ScriptedWorker
+from sample_workers import Echo, Sleep
 
 from reactor_dist import DistributedRunner, wire
 from reactor_dist.protocol import Field, Kind, Status
@@ -176,7 +176,7 @@ def foreign_push(runner):
 
 def test_a_live_waiting_loop_survives_a_burst_during_a_call():
     rng = random.Random(5)
-    with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
+    with DistributedRunner(Echo, world_size=2, init_process_group=False,
                            device="cpu", call_timeout=10) as runner:
         with foreign_push(runner) as push:
             value = np.arange(1 << 18, dtype=np.int64)
@@ -184,7 +184,7 @@ def test_a_live_waiting_loop_survives_a_burst_during_a_call():
                 out: dict = {}
 
                 def call(value=value, out=out):
-                    out["r"] = runner.generate({"op": "sleep", "seconds": 0.3, "value": value})
+                    out["r"] = runner.generate(Sleep(0.3, value=value))
 
                 thread = threading.Thread(target=call)
                 started = time.monotonic()
@@ -203,7 +203,7 @@ def test_a_live_waiting_loop_survives_a_burst_during_a_call():
 
 
 def test_a_live_waiting_loop_with_hypothesis_messages():
-    with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
+    with DistributedRunner(Echo, world_size=2, init_process_group=False,
                            device="cpu", call_timeout=10) as runner:
         calls = iter(range(10 ** 6))
         with foreign_push(runner) as push:

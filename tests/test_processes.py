@@ -1,4 +1,5 @@
-"""DESIGN.md sections 4 and 5: rank processes, their environment, output, order, threads."""
+"""The rank processes: their environment, launch prefix, output, the order of requests,
+calls from many threads, their children and their private directory."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import psutil
 from conftest import wait_gone
 from probe import Probe
-from sample_workers import ScriptedWorker
+from sample_workers import AllGather, Echo, ReportEnvironment, SpawnChild
 
 from reactor_dist import DistributedRunner
 
@@ -25,13 +26,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def fast_runner(world_size: int = 2, **kw) -> DistributedRunner:
     kw.setdefault("init_process_group", False)
     kw.setdefault("device", "cpu")
-    return DistributedRunner(ScriptedWorker, world_size=world_size, **kw)
+    return DistributedRunner(Echo, world_size=world_size, **kw)
 
 
 def test_torchrun_environment_in_ranks_only(tmp_path):
     before = {k: os.environ.get(k) for k in TORCHRUN_VARS}
     with fast_runner(2, env={"EXTRA": "yes"}, gpus=[3, 5]) as runner:
-        seen = runner.generate({"op": "env"})
+        seen = runner.generate(ReportEnvironment())
         assert seen["device"] == "cpu"
         env = seen["env"]
         assert env["RANK"] == "0" and env["LOCAL_RANK"] == "0"
@@ -54,14 +55,14 @@ def test_launch_prefix_keeps_the_rank_pid_watched(log_dir):
 
 def test_launch_prefix_wraps_each_rank_with_rank_substituted():
     with fast_runner(2, launch_prefix=["env", "PREFIXED=numa-{rank}"]) as runner:
-        assert runner.generate({"op": "env"})["env"]["PREFIXED"] == "numa-0"
+        assert runner.generate(ReportEnvironment())["env"]["PREFIXED"] == "numa-0"
 
 
 def test_all_gather_over_gloo_returns_the_gathered_result_from_rank0():
-    with DistributedRunner(ScriptedWorker, world_size=2, device="cpu") as runner:
-        out = runner.generate({"op": "allgather"})
+    with DistributedRunner(Echo, world_size=2, device="cpu") as runner:
+        out = runner.generate(AllGather())
         np.testing.assert_array_equal(out, [1.0, 1.0, 2.0, 2.0])
-        env = runner.generate({"op": "env"})["env"]
+        env = runner.generate(ReportEnvironment())["env"]
         assert int(env["MASTER_PORT"]) > 0  # rank 0's rendezvous port, reported, not guessed
 
 
@@ -105,7 +106,7 @@ def test_calls_from_many_threads_are_serialized(log_dir):
 
 def test_a_child_process_of_a_worker_ends_with_the_rank():
     with fast_runner(2) as runner:
-        child = runner.generate({"op": "spawn_child"})
+        child = runner.generate(SpawnChild())
         assert psutil.pid_exists(child)
     assert wait_gone([child]) == []
 

@@ -1,7 +1,7 @@
-"""Issue 4, item 2: the application process dies (SIGKILL: no atexit, no finalizer).
+"""The application process dies (SIGKILL: no atexit, no finalizer).
 
-DESIGN.md section 4: workers exit when the runner process dies, whatever killed it.
-Section 6: no /dev/shm entry outlives the runner, also after a crash or kill.  The
+The ranks exit when the runner process dies, whatever killed it, and no /dev/shm
+entry outlives the runner, also after a crash or kill.  The
 ranks watch the runner's pid (a pidfd): on its death each one removes the runner's
 /dev/shm entries and ipc directory and kills every process it started.  Should the
 ranks die with it (the whole tree SIGKILLed), the next runner started on the machine
@@ -25,7 +25,7 @@ import psutil
 import pytest
 from conftest import wait_gone
 from probe import Probe
-from sample_workers import ScriptedWorker
+from sample_workers import Echo
 
 from reactor_dist import DistributedRunner, shm
 
@@ -36,22 +36,22 @@ APP = textwrap.dedent("""
     import json, sys, time
     sys.path.insert(0, {tests!r})
     import numpy as np
-    from sample_workers import ChildSpawningWorker
+    from sample_workers import Echo, FullArray, HangsInLoadOnRank, Sleep, SpawnChild
     from probe import Probe
     from reactor_dist import DistributedRunner
 
     mode, log_dir = sys.argv[1], sys.argv[2]
-    load_kwargs = {{"log_dir": log_dir}}
     if mode == "loading":
-        load_kwargs["hang_load_on"] = [1]
-    runner = DistributedRunner(ChildSpawningWorker, world_size=2, init_process_group=False,
+        worker, load_kwargs = HangsInLoadOnRank, {{"rank": 1}}
+    else:
+        worker, load_kwargs = Echo, {{"log_dir": log_dir}}
+    runner = DistributedRunner(worker, world_size=2, init_process_group=False,
                                device="cpu", call_timeout=600, load_kwargs=load_kwargs)
     probe = Probe(runner)
     print(json.dumps({{"prefix": probe.shm_prefix}}), flush=True)
     runner.start()
-    children = [runner.generate({{"op": "spawn_child"}}),
-                runner.generate({{"op": "spawn_detached"}})]
-    held = runner.generate({{"op": "array", "shape": [8 << 20]}})  # a result segment, held
+    children = [runner.generate(SpawnChild()), runner.generate(SpawnChild(detached=True))]
+    held = runner.generate(FullArray([8 << 20]))  # a result segment, held
     print(json.dumps({{"ipc": probe.ipc_dir, "ranks": probe.rank_pids,
                        "children": children}}), flush=True)
     if mode == "idle":
@@ -59,7 +59,7 @@ APP = textwrap.dedent("""
         sys.stdin.read()  # until the test closes our stdin
     else:
         print("calling", flush=True)
-        runner.generate({{"op": "sleep", "seconds": 600, "value": np.ones(8 << 20, np.uint8)}})
+        runner.generate(Sleep(600, value=np.ones(8 << 20, np.uint8)))
 """)
 
 
@@ -163,7 +163,7 @@ def test_sigkill_of_the_application_ends_every_rank_and_child_and_frees_shm(apps
     app.read_running()
     if mode == "calling":
         for rank in (0, 1):
-            app.wait_for_log(rank, "sleep")  # the call is in flight on every rank
+            app.wait_for_log(rank, "Sleep")  # the call is in flight on every rank
     tree = app.tree()
     pids = [p.pid for p in tree]
     assert set(app.info["ranks"]) <= set(pids)
@@ -223,7 +223,7 @@ def test_reclaim_dead_owners_removes_only_entries_of_dead_owners(apps):
             with open(os.path.join(shm.DEFAULT_DIR, name), "w"):
                 pass
         made = [dead, reused, alive, init, *foreign]
-        with DistributedRunner(ScriptedWorker, world_size=1, init_process_group=False,
+        with DistributedRunner(Echo, world_size=1, init_process_group=False,
                                device="cpu") as runner:  # start() reclaims
             ours = Probe(runner).shm_prefix
             runner.generate(np.ones(1 << 20, np.uint8))
@@ -258,7 +258,7 @@ def test_entries_of_a_tree_killed_at_once_go_at_the_next_start(apps):
     victim.kill()
     assert our_entries(victim.info["prefix"]) == left  # nobody was left to remove them
     assert os.path.isdir(victim.ipc)
-    with DistributedRunner(ScriptedWorker, world_size=1, init_process_group=False,
+    with DistributedRunner(Echo, world_size=1, init_process_group=False,
                            device="cpu") as runner:
         assert runner.generate(1) == 1
         assert os.path.isdir(bystander.ipc), "a live runner's ipc directory was removed"

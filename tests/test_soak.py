@@ -1,4 +1,4 @@
-"""Issue 4, item 6 (slow): 2,000 calls with 8 MB results at world_size 2, each result
+"""Soak (slow): 2,000 calls with 8 MB results at world_size 2, each result
 dropped by the caller: nothing grows.  Runner and rank RSS, open file descriptors and
 /dev/shm usage end within 10% of where they were after the first 100 calls."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import psutil
 import pytest
 from probe import Probe
-from sample_workers import ScriptedWorker
+from sample_workers import Echo, FullArray, SharedArray
 
 from reactor_dist import DistributedRunner, shm
 
@@ -50,9 +50,9 @@ def snapshot(runner: DistributedRunner) -> dict[str, int]:
 def one_call(runner: DistributedRunner, i: int, payload: np.ndarray) -> None:
     kind = i % 3
     if kind == 0:      # a fresh array: copied once into a warm result segment
-        out = runner.generate({"op": "array", "shape": [MB8], "fill": i % 251})
+        out = runner.generate(FullArray([MB8], fill=i % 251))
     elif kind == 1:    # shared_empty: built in shared memory, no copy
-        out = runner.generate({"op": "shared", "shape": [MB8], "fill": i % 251})
+        out = runner.generate(SharedArray([MB8], fill=i % 251))
     else:              # an 8 MB input echoed back: input segment and result segment
         payload[0] = payload[-1] = i % 251
         out = runner.generate(payload)
@@ -66,7 +66,7 @@ def one_call(runner: DistributedRunner, i: int, payload: np.ndarray) -> None:
 def test_soak_2000_calls_with_8mb_results_grow_nothing():
     payload = np.zeros(MB8, np.uint8)
     started = time.monotonic()
-    with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
+    with DistributedRunner(Echo, world_size=2, init_process_group=False,
                            device="cpu", call_timeout=30) as runner:
         for i in range(WARM):
             one_call(runner, i, payload)

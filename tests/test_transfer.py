@@ -1,4 +1,5 @@
-"""DESIGN.md section 6: payloads through shared memory, zero copy, no leak, capacity."""
+"""Payloads through shared memory: every dtype and layout, zero copy, no leak, and a clear
+error when /dev/shm is too small."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 from conftest import our_shm_entries
 from probe import Probe
-from sample_workers import ScriptedWorker
+from sample_workers import Echo, FullArray, SharedArray, WriteInput
 
 from reactor_dist import DistributedRunner, SharedSlotAllocationFailed, WorkerCrashed, shm
 from reactor_dist.transfer import INLINE_LIMIT
@@ -27,7 +28,7 @@ BIG = 4 * INLINE_LIMIT  # surely out of band, through a segment
 @pytest.fixture(scope="module")
 def echo2():
     """One 2-rank runner for the many round trips (each test checks its own results)."""
-    runner = DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
+    runner = DistributedRunner(Echo, world_size=2, init_process_group=False,
                                device="cpu")
     runner.start()
     yield runner
@@ -170,21 +171,21 @@ def test_large_payloads_never_travel_in_band():
 def test_each_rank_may_write_its_input_unseen_by_the_others(echo2):
     original = np.arange(BIG, dtype=np.int32)
     for _ in range(3):  # the segment is reused: a written view must not leak into the next
-        seen = echo2.generate({"op": "write_input", "value": original})
+        seen = echo2.generate(WriteInput(original))
         np.testing.assert_array_equal(seen, original)   # rank 0 did not see rank 1's writes
         np.testing.assert_array_equal(original, np.arange(BIG, dtype=np.int32))  # nor did we
     assert echo2.generate(original).sum() == original.sum()
 
 
 def test_results_held_across_later_calls_stay_intact(echo2):
-    held = [echo2.generate({"op": "array", "shape": (BIG,), "fill": i}) for i in range(5)]
+    held = [echo2.generate(FullArray((BIG,), fill=i)) for i in range(5)]
     for i in range(10):
-        echo2.generate({"op": "array", "shape": (BIG,), "fill": 200 + i})
+        echo2.generate(FullArray((BIG,), fill=200 + i))
     for i, array in enumerate(held):
         assert (array == i).all()
-    shared = [echo2.generate({"op": "shared", "shape": (BIG,), "fill": 50 + i}) for i in range(3)]
+    shared = [echo2.generate(SharedArray((BIG,), fill=50 + i)) for i in range(3)]
     for _ in range(10):
-        echo2.generate({"op": "shared", "shape": (BIG,), "fill": 99})
+        echo2.generate(SharedArray((BIG,), fill=99))
     for i, array in enumerate(shared):
         assert (array == 50 + i).all()
 
@@ -202,9 +203,9 @@ def entries_and_bytes() -> tuple[int, int]:
 
 def test_memory_is_returned_when_results_are_dropped(echo2):
     size = 8 << 20
-    echo2.generate({"op": "array", "shape": (size,)})
+    echo2.generate(FullArray((size,)))
     baseline = entries_and_bytes()
-    held = [echo2.generate({"op": "array", "shape": (size,), "fill": i}) for i in range(8)]
+    held = [echo2.generate(FullArray((size,), fill=i)) for i in range(8)]
     grown = entries_and_bytes()
     assert grown[0] >= baseline[0] + 6 and grown[1] >= baseline[1] + 6 * size
     del held
@@ -215,7 +216,7 @@ def test_memory_is_returned_when_results_are_dropped(echo2):
 
 
 def test_shared_empty_result_costs_no_copy(echo2):
-    out = echo2.generate({"op": "shared", "shape": (3, BIG), "dtype": "float32", "fill": 1.5})
+    out = echo2.generate(SharedArray((3, BIG), fill=1.5, dtype="float32"))
     assert out.shape == (3, BIG) and out.dtype == np.float32 and (out == 1.5).all()
     name = segment_of(out.ctypes.data)
     assert name is not None and ".r0-" in name  # rank 0's pool: the very memory it filled
@@ -225,7 +226,7 @@ def test_input_too_big_for_shm_is_refused_before_sending(tmp_path, monkeypatch, 
     small = tmp_path / "shm"
     small.mkdir()
     monkeypatch.setenv(shm.LIMIT_ENV, str(64 << 20))
-    with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False, device="cpu",
+    with DistributedRunner(Echo, world_size=2, init_process_group=False, device="cpu",
                            shm_dir=str(small), load_kwargs={"log_dir": log_dir}) as runner:
         with pytest.raises(SharedSlotAllocationFailed) as info:
             runner.generate(np.zeros(97 << 20, np.uint8))
@@ -242,17 +243,17 @@ def test_result_too_big_for_shm_is_rank0s_error_without_desync(tmp_path, monkeyp
     small = tmp_path / "shm"
     small.mkdir()
     monkeypatch.setenv(shm.LIMIT_ENV, str(64 << 20))
-    with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False, device="cpu",
+    with DistributedRunner(Echo, world_size=2, init_process_group=False, device="cpu",
                            shm_dir=str(small)) as runner:
-        for op in ("array", "shared"):
+        for step in (FullArray, SharedArray):
             with pytest.raises(SharedSlotAllocationFailed, match="97.0 MiB.*--shm-size"):
-                runner.generate({"op": op, "shape": (97 << 20,)})
+                runner.generate(step((97 << 20,)))
             assert runner.healthy
-        assert runner.generate({"op": "array", "shape": (BIG,), "fill": 9}).sum() == 9 * BIG
+        assert runner.generate(FullArray((BIG,), fill=9)).sum() == 9 * BIG
 
 
 def test_no_leak_after_sigkill_of_a_rank_mid_transfer():
-    runner = DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
+    runner = DistributedRunner(Echo, world_size=2, init_process_group=False,
                                device="cpu")
     runner.start()
     big = np.ones(64 << 20, np.uint8)
@@ -277,8 +278,8 @@ def test_no_leak_after_sigkill_of_a_rank_mid_transfer():
 REAL_TMPFS_SCRIPT = textwrap.dedent("""
     import numpy as np
     from reactor_dist import DistributedRunner, SharedSlotAllocationFailed
-    from sample_workers import ScriptedWorker
-    with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
+    from sample_workers import Echo
+    with DistributedRunner(Echo, world_size=2, init_process_group=False,
                            device="cpu") as runner:
         try:
             runner.generate(np.zeros(97 << 20, np.uint8))

@@ -1,4 +1,4 @@
-"""Issue 4, item 4 (DESIGN.md section 7): only the runner and its own ranks talk on the bus.
+"""Only the runner and its own ranks talk on the bus.
 
 A foreign process connects to the runner's sockets and sends forged, replayed and
 garbage messages, some of them carrying a pickle whose load would create a file.
@@ -38,7 +38,7 @@ import msgpack
 import numpy as np
 import pytest
 from probe import Probe
-from sample_workers import ScriptedWorker
+from sample_workers import Echo, FullArray, SharedArray, Sleep
 
 from reactor_dist import DistributedRunner, shm, wire
 from reactor_dist.protocol import Field, Kind, Status
@@ -176,7 +176,7 @@ def test_forged_replayed_and_garbage_messages_are_never_unpickled(tmp_path, monk
         return header, body
 
     monkeypatch.setattr(wire.Channel, "unpack", counting_unpack)
-    with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
+    with DistributedRunner(Echo, world_size=2, init_process_group=False,
                            device="cpu", call_timeout=10) as runner:
         foreigner = Foreigner(tmp_path, Probe(runner).ipc_dir, evil_path)
         try:
@@ -191,7 +191,7 @@ def test_forged_replayed_and_garbage_messages_are_never_unpickled(tmp_path, monk
             big = np.arange(1 << 20, dtype=np.float32)
             out: dict = {}
             call = threading.Thread(target=lambda: out.update(r=runner.generate(
-                {"op": "sleep", "seconds": 0.5, "value": big})))
+                Sleep(0.5, value=big))))
             call.start()
             sent = foreigner.attack()
             call.join(15)
@@ -202,7 +202,7 @@ def test_forged_replayed_and_garbage_messages_are_never_unpickled(tmp_path, monk
             sent += foreigner.attack()
             time.sleep(0.3)
             for i in range(5):
-                assert runner.generate({"op": "array", "shape": [1 << 20], "fill": i})[-1] == i
+                assert runner.generate(FullArray([1 << 20], fill=i))[-1] == i
             runner.reset()
             deadline = time.monotonic() + 10  # until the loop has read all that was sent
             while len(rejected) + len(dropped) < sent and time.monotonic() < deadline:
@@ -226,7 +226,7 @@ def secret_forms(secret: bytes) -> list[bytes]:
 
 
 def test_secret_never_in_a_command_line_or_environment():
-    with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
+    with DistributedRunner(Echo, world_size=2, init_process_group=False,
                            device="cpu") as runner:
         secret = Probe(runner).secret
         assert len(secret) == wire.SECRET_SIZE
@@ -242,11 +242,11 @@ def test_secret_never_in_a_command_line_or_environment():
 
 
 def test_shm_entries_are_0600_and_the_ipc_directory_0700():
-    with DistributedRunner(ScriptedWorker, world_size=2, init_process_group=False,
+    with DistributedRunner(Echo, world_size=2, init_process_group=False,
                            device="cpu") as runner:
         group = Probe(runner)
         held = [runner.generate(np.ones(4 << 20, np.uint8)),                     # input+result
-                runner.generate({"op": "shared", "shape": [4 << 20], "fill": 3})]  # shared_empty
+                runner.generate(SharedArray([4 << 20], fill=3))]  # shared_empty
         entries = [n for n in os.listdir(shm.DEFAULT_DIR) if n.startswith(group.shm_prefix + ".")]
         assert len(entries) >= 3, entries  # the input, a copied result, a shared_empty one
         for name in entries:
