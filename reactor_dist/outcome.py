@@ -30,7 +30,7 @@ from .protocol import Status
 class Outcome(NamedTuple):
     """What one rank did in one call, as the caller sees it."""
 
-    status: str  # protocol.OK, Status.RAISED or Status.UNDELIVERABLE
+    status: str  # Status.OK, RAISED or UNDELIVERABLE
     value: Any = None  # rank 0's decoded result, when every rank returned
     error: BaseException | None = None  # the rank's exception, rebuilt in the caller
     error_type: str = ""  # its type's name as the rank saw it

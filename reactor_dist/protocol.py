@@ -8,7 +8,7 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
     kind      dir  when                       header fields beyond KIND, SEQ, RANK
     --------  ---  -------------------------  ---------------------------------------
     ping      ->   handshake, every 20 ms     -
-    pong      <-   answer to the first ping   PID (the rank's own pid), PORT (rank 0's
+    pong      <-   answer to each ping        PID (the rank's own pid), PORT (rank 0's
                                               rendezvous store, else 0)
     init      ->   once every rank ponged     PORT (rank 0's store port)
     ready     <-   load() returned or raised  STATUS, ERROR

@@ -23,7 +23,7 @@ class DistributedWorker:
     rank: int = 0
     world_size: int = 1
     device: str = "cpu"
-    _reactor_allocate = None  # set by the launcher: rank 0's shared-memory allocator
+    _reactor_allocate = None  # set by the rank's serve loop: rank 0's shared-memory allocator
 
     @property
     def is_leader(self) -> bool:
