@@ -51,3 +51,10 @@ class TorchWorker(DistributedWorker):
 
     def reset(self) -> None:
         pass
+
+
+class EchoWorker(DistributedWorker):
+    """Returns its input: the plain user's loop of the per-call benchmark."""
+
+    def generate(self, input: Any, /) -> Any:
+        return input
