@@ -7,7 +7,7 @@ on each side. The peers are started the way the runner starts its ranks (a plain
 subprocess in a process group of its own, in the caller's session), so the scheduler
 treats them alike.
 
-``python -m benchmarks.raw_floor PUB_ADDR PULL_ADDR RANK`` is one peer.
+``python -m benchmarks.implementations.raw_floor PUB_ADDR PULL_ADDR RANK`` is one peer.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import zmq
 
+from benchmarks.implementations.procs import child_env, stop_processes
+
 MESSAGE = bytes(range(100))  # what every call sends and every peer echoes
 HELLO, BARRIER, STOP = b"H", b"B", b"S"  # control messages, never 100 bytes long
-REPO_ROOT = Path(__file__).resolve().parents[1]
 # Like the runner's ranks: a process group of their own, the caller's session (and so its
 # scheduler autogroup). Python 3.10 has no process_group=: start_new_session is the
 # nearest, and differs in the session.
@@ -71,12 +71,10 @@ class RawFloor:
         pub_addr, pull_addr = f"ipc://{self.tmp}/cmd", f"ipc://{self.tmp}/rep"
         self.pub.bind(pub_addr)
         self.pull.bind(pull_addr)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         self.procs = [
-            subprocess.Popen([sys.executable, "-m", "benchmarks.raw_floor", pub_addr,
-                              pull_addr, str(r)], env=env, **(OWN_GROUP if own_group else {}))
+            subprocess.Popen([sys.executable, "-m", "benchmarks.implementations.raw_floor",
+                              pub_addr, pull_addr, str(r)], env=child_env(),
+                             **(OWN_GROUP if own_group else {}))
             for r in range(world_size)
         ]
         try:
@@ -119,12 +117,7 @@ class RawFloor:
         if self.ctx.closed:
             return
         self.pub.send(STOP)
-        for p in self.procs:
-            try:
-                p.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(self.procs)
         self.pub.close(0)
         self.pull.close(0)
         self.ctx.term()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from benchmarks.workload import BenchModel
+from benchmarks.implementations.workload import BenchModel
 from reactor_dist import DistributedWorker
 
 
