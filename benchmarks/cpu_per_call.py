@@ -1,8 +1,8 @@
-"""``python -m benchmarks.cpu_per_call [--world-size N] [--calls N] [--trials N]``: where an
-empty call's time goes, as CPU per call, next to the raw pyzmq floor.
+"""``python -m benchmarks.cpu_per_call [--world-size N] [--calls N] [--trials N]``: where a
+call's time goes, as CPU per call, next to the raw pyzmq floor.
 
 On a machine with few cores the threads of a call (the caller, every rank, and each
-process's ZeroMQ I/O thread) share the cores, so the wall time of an empty call follows
+process's ZeroMQ I/O thread) share the cores, so the wall time of a call follows
 the CPU it burns.  This prints, per trial, the wall time and the CPU per call of the
 caller's main thread and of the ranks' (or bare peers') main threads, for ours and the
 floor in turn (``runner.generate(1)`` and the raw echo floor, as in ``make bench``).

@@ -64,10 +64,11 @@ def markdown(rows: list[Row], r: Results, s: Settings, *, stem: str, when: str,
     return "\n".join(out) + "\n"
 
 
-def readme_section(rows: list[Row], *, when: str, plot: str, wall_s: float) -> str:
+def readme_section(rows: list[Row], *, when: str, plot: str, wall_s: float,
+                   load: str) -> str:
     """What goes between the README's markers (its "## Performance" heading stays)."""
     return "\n".join([
-        f"Measured by `make bench` on {when}: {machine.describe()}. "
+        f"Measured by `make bench` on {when}: {machine.describe()}; {load}. "
         "Each figure is the median over repeated trials (spread in the results file), "
         "next to this machine's floor measured in the same run and two baselines a user "
         "would otherwise write: `json-subprocess` (a subprocess per rank, JSON over "
@@ -138,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         DOCS_PLOT.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(pngs[0], DOCS_PLOT)
         plot_ref = DOCS_PLOT.relative_to(HERE.parent).as_posix()
-        readme.update(README, readme_section(rows, when=when, plot=plot_ref, wall_s=wall))
+        readme.update(README, readme_section(rows, when=when, plot=plot_ref, wall_s=wall,
+                                                   load=load))
         print(f"wrote {README}'s Performance section and {DOCS_PLOT}", file=sys.stderr)
     return 1 if (r.notes or problems) else 0
 
