@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv test test-slow demo bench bench-quick gpu-check lint clean
+.PHONY: venv test test-slow demo bench bench-quick bench-per-call gpu-check lint clean
 
 venv: $(VENV)/.installed
 
@@ -25,11 +25,17 @@ test-slow: venv
 demo: venv
 	$(PY) examples/demo.py --world-size 2 --device auto
 
+# A full run also rewrites README.md's Performance section (between its bench markers).
 bench: venv
 	$(PY) -m benchmarks.run
 
+# Results under benchmarks/results/ only; README.md is left alone.
 bench-quick: venv
 	$(PY) -m benchmarks.run --quick
+
+# The per-call row alone: runner.generate(1) in a plain loop against bare pyzmq echo peers.
+bench-per-call: venv
+	$(PY) -m benchmarks.per_call
 
 # On a machine with CUDA: the GPU-marked tests and frame timings on one GPU.
 gpu-check: venv

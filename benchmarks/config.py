@@ -34,9 +34,10 @@ PAYLOADS = (
 class Settings:
     quick: bool
     world_sizes: tuple[int, ...] = (1, 2, 4)
-    call_iters: int = 2000  # empty calls per configuration
+    call_iters: int = 2000  # timed generate(1) calls per trial and configuration
     call_warmup: int = 200
     call_rounds: int = 10  # implementations alternate in this many blocks (see interleave)
+    call_trials: int = 3  # fresh runner and floor peers each: the spread between trials shows
     baseline_call_iters: int = 500  # the baselines are slower; fewer calls give the same spread
     transfer_iters: tuple[int, ...] = (60, 30, 15)  # per payload, same order as PAYLOADS
     transfer_warmup: int = 3
@@ -59,7 +60,8 @@ QUICK = Settings(
     quick=True,
     call_iters=300,
     call_warmup=50,
-    call_rounds=3,
+    call_rounds=4,
+    call_trials=1,
     baseline_call_iters=100,
     payloads=(PAYLOADS[0], PAYLOADS[2]),  # 1 MB and the video step
     transfer_iters=(15, 5),

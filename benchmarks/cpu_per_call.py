@@ -1,12 +1,15 @@
-"""``python -m benchmarks.cpu_per_call [--world-size N] [--calls N] [--trials N]``: where an
-empty call's time goes, as CPU per call, next to the raw pyzmq floor.
+"""``python -m benchmarks.cpu_per_call [--world-size N] [--calls N] [--trials N]``: where a
+call's time goes, as CPU per call, next to the raw pyzmq floor.
 
 On a machine with few cores the threads of a call (the caller, every rank, and each
-process's ZeroMQ I/O thread) share the cores, so the wall time of an empty call follows
+process's ZeroMQ I/O thread) share the cores, so the wall time of a call follows
 the CPU it burns.  This prints, per trial, the wall time and the CPU per call of the
 caller's main thread and of the ranks' (or bare peers') main threads, for ours and the
-floor in turn.  A diagnostic for the README's "Where the per-call time goes"; it is not
-part of ``make bench`` and asserts nothing.
+floor in turn (``runner.generate(1)`` and the raw echo floor, as in ``make bench``).
+The rank processes are found from the outside, as this process's new children once
+the runner started: the benchmarks use only the public API.  A diagnostic for the
+README's "Where the per-call time goes"; it is not part of ``make bench`` and asserts
+nothing.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-from benchmarks.floors import ZmqFloor
-from benchmarks.pools import OurPool
+import psutil
+
+from benchmarks.families.overhead import INPUT
+from benchmarks.implementations.pools import EchoRunner
+from benchmarks.implementations.raw_floor import RawFloor
 
 
 def main_thread_cpu_s(pids: list[int]) -> float:
@@ -30,6 +36,19 @@ def main_thread_cpu_s(pids: list[int]) -> float:
             fields = f.read().rsplit(")", 1)[1].split()
         ticks += int(fields[11]) + int(fields[12])
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def new_children(before: set[int], count: int) -> list[int]:
+    """Pids of this process's children that were not there ``before``: the processes
+    just started (the rank processes of a runner, the peers of a floor)."""
+    pids = [p.pid for p in psutil.Process().children() if p.pid not in before]
+    if len(pids) != count:
+        raise RuntimeError(f"expected {count} new child processes, found {len(pids)}")
+    return pids
+
+
+def children() -> set[int]:
+    return {p.pid for p in psutil.Process().children()}
 
 
 def measure(call: Callable[[], object], peers: list[int], calls: int) -> tuple[float, ...]:
@@ -54,19 +73,22 @@ def main() -> None:
     args = parser.parse_args()
     rows: dict[str, list[tuple[float, ...]]] = {"reactor_dist": [], "floor": []}
     for _ in range(args.trials):
-        ours = OurPool(args.world_size, [])
+        before = children()
+        ours = EchoRunner(args.world_size)
         try:
-            ranks = [p.pid for p in ours.runner._group.ranks]
-            rows["reactor_dist"].append(measure(partial(ours.generate, None), ranks, args.calls))
+            ranks = new_children(before, args.world_size)
+            rows["reactor_dist"].append(measure(partial(ours.generate, INPUT), ranks,
+                                                args.calls))
         finally:
             ours.close()
-        floor = ZmqFloor(args.world_size)
+        before = children()
+        floor = RawFloor(args.world_size)
         try:
-            peers = [p.pid for p in floor.procs]
+            peers = new_children(before, args.world_size)
             rows["floor"].append(measure(floor.generate, peers, args.calls))
         finally:
             floor.close()
-    print(f"empty call, world_size {args.world_size}, {args.calls} calls x {args.trials} "
+    print(f"generate({INPUT!r}), world_size {args.world_size}, {args.calls} calls x {args.trials} "
           f"trials (medians; µs per call)")
     print(f"{'':14s}{'wall':>8s}{'caller main thread CPU':>26s}{'ranks main threads CPU':>26s}")
     for name, trials in rows.items():

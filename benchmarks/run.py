@@ -1,9 +1,10 @@
 """``python -m benchmarks.run [--quick] [--out DIR]``: run every family, print the table,
 write ``<out>/<date>-<host>.md`` and PNG plots beside it.
 
-A full run into the default directory also refreshes ``benchmarks/README_PERFORMANCE.md``
-(the README's "Performance" section) and ``docs/bench_overview.png`` (the plot the
-README shows), so both always come from one run on one machine.
+A full run into the default directory also rewrites README.md's Performance section
+(between ``<!-- bench:start -->`` and ``<!-- bench:end -->``) and ``docs/bench_overview.png``
+(the plot the README shows), so both always come from one run on one machine. A quick
+run, or a run with ``--out``, leaves README.md alone.
 """
 
 from __future__ import annotations
@@ -15,38 +16,21 @@ import shutil
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks import (
-    broadcast,
-    failure,
-    frames,
-    hygiene,
-    machine,
-    overhead,
-    report,
-    startup,
-    transport,
-)
 from benchmarks.config import FULL, QUICK, Settings
-from benchmarks.results import Results, Row
+from benchmarks.families import FAMILIES
+from benchmarks.report import hygiene, machine, readme, tables
+from benchmarks.report.results import Results, Row
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results"
-README_SNIPPET = HERE / "README_PERFORMANCE.md"
+README = HERE.parent / "README.md"
 DOCS_PLOT = HERE.parent / "docs" / "bench_overview.png"
-
-FAMILIES: list[tuple[str, Callable[[Settings, Results], None]]] = [
-    ("per-call overhead, frames back, input broadcast", transport.measure),
-    ("failure notice", lambda s, r: failure.measure(r, s)),
-    ("start-up", lambda s, r: startup.measure(r, s)),
-]
 
 
 def collect_rows(r: Results, s: Settings) -> list[Row]:
-    return (overhead.rows(r, s) + frames.rows(r, s) + broadcast.rows(r, s)
-            + failure.rows(r, s) + startup.rows(r, s))
+    return [row for _, family in FAMILIES for row in family.rows(r, s)]
 
 
 def markdown(rows: list[Row], r: Results, s: Settings, *, stem: str, when: str,
@@ -61,9 +45,9 @@ def markdown(rows: list[Row], r: Results, s: Settings, *, stem: str, when: str,
         "Speed-up = baseline median ÷ ours (below 1× the baseline is faster). "
         "Floors measured in the same run:",
         "",
-        *[f"- {f}" for f in report.floors_legend(rows)],
+        *[f"- {f}" for f in tables.floors_legend(rows)],
         "",
-        report.markdown_table(rows),
+        tables.markdown_table(rows),
         "",
         "Baselines: `json-subprocess` is a subprocess per rank with a JSON request/reply "
         "loop over stdin/stdout and arrays through temporary `.npy` files; `mp-queue` is a "
@@ -80,11 +64,11 @@ def markdown(rows: list[Row], r: Results, s: Settings, *, stem: str, when: str,
     return "\n".join(out) + "\n"
 
 
-def readme_snippet(rows: list[Row], *, when: str, plot: str, wall_s: float) -> str:
+def readme_section(rows: list[Row], *, when: str, plot: str, wall_s: float,
+                   load: str) -> str:
+    """What goes between the README's markers (its "## Performance" heading stays)."""
     return "\n".join([
-        "## Performance",
-        "",
-        f"Measured by `make bench` on {when}: {machine.describe()}. "
+        f"Measured by `make bench` on {when}: {machine.describe()}; {load}. "
         "Each figure is the median over repeated trials (spread in the results file), "
         "next to this machine's floor measured in the same run and two baselines a user "
         "would otherwise write: `json-subprocess` (a subprocess per rank, JSON over "
@@ -92,7 +76,7 @@ def readme_snippet(rows: list[Row], *, when: str, plot: str, wall_s: float) -> s
         "multiprocessing spawn pool with a Queue per rank and pickled payloads). "
         "Speed-up = baseline median ÷ ours (below 1× the baseline is faster).",
         "",
-        report.markdown_table(rows),
+        tables.markdown_table(rows),
         "",
         f"![benchmarks]({plot})",
         "",
@@ -117,11 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     now = dt.datetime.now()
     t0 = time.perf_counter()
     r = Results()
-    for name, fn in FAMILIES:
+    for name, family in FAMILIES:
         print(f"[bench] {name} ...", file=sys.stderr, flush=True)
         t_family = time.perf_counter()
         try:
-            fn(s, r)
+            family.measure(s, r)
         except Exception as exc:  # report it and go on: the other families still count
             traceback.print_exc()
             r.notes.append(f"{name} failed: {exc!r}")
@@ -138,11 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench] warning: {load}", file=sys.stderr)
 
     rows = collect_rows(r, s)
-    print(report.text_table(rows))
+    print(tables.text_table(rows))
     for line in r.notes + problems:
         print(f"PROBLEM: {line}")
 
-    from benchmarks import plots  # matplotlib only once there is something to draw
+    from benchmarks.report import plots  # matplotlib only once there is something to draw
 
     stem = f"{now:%Y-%m-%d}-{machine.host()}" + ("-quick" if s.quick else "")
     pngs = plots.write_all(r, s, out_dir, stem)
@@ -155,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         DOCS_PLOT.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(pngs[0], DOCS_PLOT)
         plot_ref = DOCS_PLOT.relative_to(HERE.parent).as_posix()
-        README_SNIPPET.write_text(readme_snippet(rows, when=when, plot=plot_ref, wall_s=wall))
-        print(f"wrote {README_SNIPPET} and {DOCS_PLOT}", file=sys.stderr)
+        readme.update(README, readme_section(rows, when=when, plot=plot_ref, wall_s=wall,
+                                                   load=load))
+        print(f"wrote {README}'s Performance section and {DOCS_PLOT}", file=sys.stderr)
     return 1 if (r.notes or problems) else 0
 
 

@@ -1,5 +1,6 @@
 """`make bench-quick` must keep working: it runs, cleans up after itself and writes its
-results file and plots. Timings are not checked (benchmarks measure, never assert)."""
+results file and plots, and leaves README.md alone. Timings are not checked (benchmarks
+measure, never assert). Slow (a minute or more on 2 cores): `make test-slow` runs it."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+pytestmark = pytest.mark.slow
+
+
 @pytest.mark.timeout(240)
 def test_quick_bench_runs_and_writes_results(tmp_path: Path) -> None:
+    readme_before = (REPO / "README.md").read_bytes()
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=230,
@@ -23,9 +28,24 @@ def test_quick_bench_runs_and_writes_results(tmp_path: Path) -> None:
     assert len(mds) == 1, list(tmp_path.iterdir())
     assert list(tmp_path.glob("*.png")), list(tmp_path.iterdir())
     text = mds[0].read_text()
-    assert "empty generate(), world_size 2" in text
+    assert "generate(1), world_size 2" in text
     assert "Problems in this run" not in text
-    assert "empty generate(), world_size 2" in proc.stdout  # the table reached stdout
+    assert "generate(1), world_size 2" in proc.stdout  # the table reached stdout
+    assert (REPO / "README.md").read_bytes() == readme_before  # only a full run writes it
+
+
+@pytest.mark.timeout(120)
+def test_the_plain_loop_harness_runs() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.per_call", "--calls", "200", "--warmup", "20",
+         "--trials", "1", "--rounds", "2"],
+        cwd=REPO, capture_output=True, text=True, timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("runner.generate(1) vs bare pyzmq echo peers, world_size 2")
+    assert lines[1].startswith("trial 1: ours ÷ floor ")
+    assert [line.split()[0] for line in lines[3:5]] == ["ours", "floor"]
 
 
 @pytest.mark.timeout(120)
@@ -36,6 +56,6 @@ def test_the_cpu_per_call_diagnostic_runs() -> None:
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("empty call, world_size 2, 300 calls x 1 trials")
+    assert lines[0].startswith("generate(1), world_size 2, 300 calls x 1 trials")
     assert [line.split()[0] for line in lines[2:]] == ["reactor_dist", "floor"]
     assert all(len(line.split()) == 4 for line in lines[2:])

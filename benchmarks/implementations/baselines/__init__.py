@@ -6,10 +6,10 @@
 - ``mp_queue``: a ``multiprocessing`` spawn pool with one ``Queue`` per rank each way and
   pickled payloads.
 
-Both run ``benchmarks.workload.BenchModel`` on every rank, as our workers do.
+Both run ``benchmarks.implementations.workload.BenchModel`` on every rank, as our workers do.
 """
 
-from benchmarks.baselines.json_subprocess import JsonSubprocessPool
-from benchmarks.baselines.mp_queue import MpQueuePool
+from benchmarks.implementations.baselines.json_subprocess import JsonSubprocessPool
+from benchmarks.implementations.baselines.mp_queue import MpQueuePool
 
 __all__ = ["JsonSubprocessPool", "MpQueuePool"]

@@ -1,4 +1,4 @@
-"""Family 3, input broadcast: the same sizes sent to every rank (each returns ``None``),
+"""Input broadcast: the same sizes sent to every rank (each returns ``None``),
 and sent then echoed back by rank 0 — the full trip of a video-to-video step."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from collections.abc import Callable
 import numpy as np
 
 from benchmarks.config import Settings
-from benchmarks.frames import TARGET_PAYLOAD, iters_for
-from benchmarks.pools import IMPLEMENTATIONS, OURS, Pool
-from benchmarks.results import FLOOR, Results, Row
+from benchmarks.families.frames import TARGET_PAYLOAD, iters_for
+from benchmarks.implementations.pools import IMPLEMENTATIONS, OURS, Pool, close_all, open_all
+from benchmarks.report.results import FLOOR, Results, Row
 
 ECHO_WORLD_SIZE = 2
 ECHO_TARGET = 3.0  # × the copy floor
@@ -39,6 +39,20 @@ def _measure(pools: dict[str, Pool], metric: str, config: str, i: int, make_inpu
     results.measure(metric, config, fns, n, warm, s.transfer_rounds)
 
 
+def measure(settings: Settings, results: Results) -> None:
+    """For each world_size, every implementation up at once for both workloads."""
+    s = settings
+    for ws in sorted(set(s.sink_world_sizes) | {ECHO_WORLD_SIZE}):
+        pools = open_all(IMPLEMENTATIONS, ws, [], results.notes)
+        try:
+            if ws in s.sink_world_sizes:
+                measure_sink(pools, ws, results, s)
+            if ws == ECHO_WORLD_SIZE:
+                measure_echo(pools, results, s)
+        finally:
+            close_all(pools)
+
+
 def measure_sink(pools: dict[str, Pool], world_size: int, results: Results,
                  s: Settings) -> None:
     for i, p in enumerate(s.payloads):
@@ -55,7 +69,8 @@ def measure_echo(pools: dict[str, Pool], results: Results, s: Settings) -> None:
         _measure(pools, "echo", p.label, i, make, results, s)
 
 
-def rows(results: Results, s: Settings) -> list[Row]:
+def rows(results: Results, settings: Settings) -> list[Row]:
+    s = settings
     baselines = [i for i in IMPLEMENTATIONS if i != OURS]
     out = []
     for ws in s.sink_world_sizes:

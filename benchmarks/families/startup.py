@@ -1,4 +1,4 @@
-"""Family 5, start-up: ``start()`` until every rank finished ``load()`` with a worker that
+"""Start-up: ``start()`` until every rank finished ``load()`` with a worker that
 imports torch and forms the process group, next to the same number of bare
 ``python -c "import torch"`` started in parallel (what the interpreters alone cost)."""
 
@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import time
 
-from benchmarks import floors
 from benchmarks.config import Settings
-from benchmarks.pools import OURS
-from benchmarks.results import FLOOR, Results, Row
-from benchmarks.stats import summarize
+from benchmarks.implementations import floors
+from benchmarks.implementations.pools import OURS
+from benchmarks.report.results import FLOOR, Results, Row
+from benchmarks.report.stats import summarize
 
 
 def start_trial(world_size: int) -> float:
-    from benchmarks.bench_workers import TorchWorker
+    from benchmarks.implementations.bench_workers import TorchWorker
     from reactor_dist import DistributedRunner
 
     runner = DistributedRunner(TorchWorker, world_size=world_size, init_process_group=True,
@@ -27,7 +27,8 @@ def start_trial(world_size: int) -> float:
         runner.shutdown()
 
 
-def measure(results: Results, s: Settings) -> None:
+def measure(settings: Settings, results: Results) -> None:
+    s = settings
     for ws in s.startup_world_sizes:
         ours, bare = [], []
         for _ in range(s.startup_trials):  # interleaved, so drift hits both alike
@@ -37,7 +38,8 @@ def measure(results: Results, s: Settings) -> None:
         results.put("start", f"ws{ws}", FLOOR, summarize(bare))
 
 
-def rows(results: Results, s: Settings) -> list[Row]:
+def rows(results: Results, settings: Settings) -> list[Row]:
+    s = settings
     return [
         Row(section="Start-up (torch worker, process group)", case=f"start() world_size {ws}",
             unit="s", ours=results.get("start", f"ws{ws}", OURS),

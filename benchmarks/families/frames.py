@@ -1,4 +1,4 @@
-"""Family 2, frames back: a result of 1 MB, 16 MB and one 97 MB video step, returned as a
+"""Frames back: a result of 1 MB, 16 MB and one 97 MB video step, returned as a
 plain array and via ``shared_empty``, against one warm ``np.copyto`` of the same bytes
 (the least a caller can pay to own those bytes) and the empty-call latency."""
 
@@ -8,15 +8,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-from benchmarks import floors
 from benchmarks.config import Payload, Settings
-from benchmarks.pools import IMPLEMENTATIONS, OURS, Pool
-from benchmarks.results import FLOOR, Results, Row
-from benchmarks.workload import PLAIN_FILL
+from benchmarks.implementations import floors
+from benchmarks.implementations.pools import IMPLEMENTATIONS, OURS, Pool, close_all, open_all
+from benchmarks.implementations.workload import PLAIN_FILL
+from benchmarks.report.results import FLOOR, Results, Row
 
 WORLD_SIZE = 2
 PLAIN_TARGET = 1.5  # × the copy floor
-SHARED_TARGET_S = 1e-3  # above the empty call
+SHARED_TARGET_S = 1e-3  # above the per-call time (generate(1) at this world_size)
 # The ratio targets are set on the video step; at 1 MB the copy takes microseconds and
 # the per-call overhead dominates, so those rows are shown without a target.
 TARGET_PAYLOAD = "97 MB"
@@ -37,7 +37,17 @@ def iters_for(impl: str, i: int, s: Settings) -> tuple[int, int]:
     return s.baseline_transfer_iters[i], s.baseline_transfer_warmup
 
 
-def measure(pools: dict[str, Pool], results: Results, s: Settings) -> None:
+def measure(settings: Settings, results: Results) -> None:
+    """At world_size 2, every implementation up at once (each pays its start-up once)."""
+    pools = open_all(IMPLEMENTATIONS, WORLD_SIZE, [p.shape for p in settings.payloads],
+                     results.notes)
+    try:
+        measure_on(pools, results, settings)
+    finally:
+        close_all(pools)
+
+
+def measure_on(pools: dict[str, Pool], results: Results, s: Settings) -> None:
     """Each payload: every implementation's plain result, ours via ``shared_empty``, and
     the copy floor, timed interleaved."""
     for i, p in enumerate(s.payloads):
@@ -70,7 +80,8 @@ def _row(results: Results, label: str, how: str, ours: str) -> Row:
     )
 
 
-def rows(results: Results, s: Settings) -> list[Row]:
+def rows(results: Results, settings: Settings) -> list[Row]:
+    s = settings
     out = []
     empty = results.get("call", f"ws{WORLD_SIZE}", OURS)
     for p in s.payloads:
@@ -80,10 +91,10 @@ def rows(results: Results, s: Settings) -> list[Row]:
             ratio = plain.over_floor
             plain.met = None if ratio is None else ratio <= PLAIN_TARGET
         shared = _row(results, p.label, "shared_empty", SHARED)
-        shared.target = "≤ empty call + 1 ms"
+        shared.target = "≤ call + 1 ms"
         if shared.ours is not None and empty is not None:
             extra = shared.ours.median - empty.median
-            shared.target = f"≤ empty call + 1 ms (+{extra * 1e3:.2f} ms)"
+            shared.target = f"≤ call + 1 ms (+{extra * 1e3:.2f} ms)"
             shared.met = extra <= SHARED_TARGET_S
         out += [plain, shared]
     return out

@@ -10,7 +10,7 @@ import traceback
 from multiprocessing.process import BaseProcess
 from types import TracebackType
 
-from benchmarks.workload import BenchModel
+from benchmarks.implementations.workload import BenchModel
 
 _STOP = "__stop__"
 

@@ -1,4 +1,4 @@
-"""Process hygiene shared by the baselines: a benchmark must leave no process behind."""
+"""Process hygiene shared by the floors and the baselines: leave no process behind."""
 
 from __future__ import annotations
 

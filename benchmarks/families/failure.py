@@ -1,4 +1,4 @@
-"""Family 4, failure notice: how long a caller waits to learn that a rank died
+"""Failure notice: how long a caller waits to learn that a rank died
 (SIGKILL mid-call -> ``WorkerCrashed``) or hangs (-> ``WorkerTimeout``), and how long
 ``shutdown()`` then takes to clear the hung ranks. Every trial needs a fresh runner:
 after a failure the runner is unusable by contract."""
@@ -13,9 +13,9 @@ import threading
 import time
 
 from benchmarks.config import Settings
-from benchmarks.pools import OURS
-from benchmarks.results import FLOOR, Results, Row
-from benchmarks.stats import summarize
+from benchmarks.implementations.pools import OURS
+from benchmarks.report.results import FLOOR, Results, Row
+from benchmarks.report.stats import summarize
 
 WORLD_SIZE = 2
 CRASH_TARGET_S = 0.100
@@ -24,7 +24,7 @@ SLEEP_S = 60.0  # longer than any trial: the ranks are inside generate() when it
 
 
 def _runner(pid_dir: str, call_timeout: float):  # -> DistributedRunner
-    from benchmarks.bench_workers import BenchWorker
+    from benchmarks.implementations.bench_workers import BenchWorker
     from reactor_dist import DistributedRunner
 
     return DistributedRunner(BenchWorker, world_size=WORLD_SIZE, init_process_group=False,
@@ -96,7 +96,8 @@ def timeout_trial(call_timeout: float) -> tuple[float, float]:
         shutil.rmtree(pid_dir, ignore_errors=True)
 
 
-def measure(results: Results, s: Settings) -> None:
+def measure(settings: Settings, results: Results) -> None:
+    s = settings
     for rank in range(WORLD_SIZE):
         trials = [crash_trial(rank) for _ in range(max(1, s.crash_trials // WORLD_SIZE))]
         results.put("crash", f"rank{rank}", OURS, summarize([t[0] for t in trials]))
@@ -107,7 +108,8 @@ def measure(results: Results, s: Settings) -> None:
     results.put("timeout-shutdown", "all", OURS, summarize([t[1] for t in trials]))
 
 
-def rows(results: Results, s: Settings) -> list[Row]:
+def rows(results: Results, settings: Settings) -> list[Row]:
+    s = settings
     section = f"Failure notice (world_size {WORLD_SIZE})"
     out = []
     for rank in range(WORLD_SIZE):

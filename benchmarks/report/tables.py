@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from benchmarks.pools import JSON, MPQ
-from benchmarks.results import Row
+from benchmarks.implementations.pools import JSON, MPQ
+from benchmarks.report.results import Row
 
 SCALE = {"us": (1e6, "µs", 0), "ms": (1e3, "ms", 2), "s": (1.0, "s", 2)}
 

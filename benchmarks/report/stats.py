@@ -80,7 +80,8 @@ def interleave(
 
     The machine's load drifts (other processes, frequency, page cache); measuring one
     implementation after the other would fold that drift into their ratio. Here each
-    round runs a block of every implementation in turn, so drift hits all alike. A
+    round runs a block of every implementation in turn, so drift hits all alike, and
+    the order flips every round, so that none always follows the same other one. A
     function that raises is reported through ``failed`` and left out from then on.
     """
     live = dict(fns)
@@ -94,8 +95,11 @@ def interleave(
             failed(key, exc)
             del live[key]
     gc.collect()
-    for _ in range(rounds):
-        for key in list(live):
+    for i in range(rounds):
+        order = list(live) if i % 2 == 0 else list(live)[::-1]
+        for key in order:
+            if key not in live:
+                continue
             block = max(1, -(-n[key] // rounds))
             fn, acc = live[key], samples[key]
             try:

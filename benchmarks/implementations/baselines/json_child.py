@@ -10,13 +10,15 @@ import traceback
 
 import numpy as np
 
-from benchmarks.workload import BenchModel
+from benchmarks.implementations.workload import BenchModel
 
 
 def _decode(req: dict) -> object:
     op = req["op"]
     if op == "none":
         return None
+    if op == "int":
+        return int(req["arg"])
     if op == "array":
         return np.load(req["path"])
     if op == "echo":
@@ -39,7 +41,9 @@ def main() -> None:
         try:
             out = model.step(_decode(req))
             reply: dict = {"ok": True, "path": None}
-            if isinstance(out, np.ndarray):
+            if type(out) is int:
+                reply["value"] = out
+            elif isinstance(out, np.ndarray):
                 path = os.path.join(out_dir, f"out-{rank}-{seq}.npy")
                 np.save(path, out)
                 reply["path"] = path

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from benchmarks.workload import BenchModel
+from benchmarks.implementations.workload import BenchModel
 from reactor_dist import DistributedWorker
 
 
@@ -51,3 +51,10 @@ class TorchWorker(DistributedWorker):
 
     def reset(self) -> None:
         pass
+
+
+class EchoWorker(DistributedWorker):
+    """Returns its input: the plain user's loop of the per-call benchmark."""
+
+    def generate(self, input: Any, /) -> Any:
+        return input

@@ -12,10 +12,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 
 from benchmarks.config import Settings  # noqa: E402
-from benchmarks.frames import SHARED  # noqa: E402
-from benchmarks.pools import JSON, MPQ, OURS  # noqa: E402
-from benchmarks.results import FLOOR, Results  # noqa: E402
-from benchmarks.stats import Stats  # noqa: E402
+from benchmarks.families.frames import SHARED  # noqa: E402
+from benchmarks.implementations.pools import JSON, MPQ, OURS  # noqa: E402
+from benchmarks.report.results import FLOOR, Results  # noqa: E402
+from benchmarks.report.stats import Stats  # noqa: E402
 
 COLORS = {"floor": "#9e9e9e", OURS: "#1f77b4", SHARED: "#17becf",
           JSON: "#ff7f0e", MPQ: "#d62728"}
@@ -75,8 +75,8 @@ def overhead_panel(ax: Axes, r: Results, s: Settings) -> None:
     groups = [f"world_size {ws}" for ws in s.world_sizes]
     impls = {"floor": FLOOR, OURS: OURS, JSON: JSON, MPQ: MPQ}
     _bars(ax, groups, {k: [r.get("call", f"ws{ws}", v) for ws in s.world_sizes]
-                       for k, v in impls.items()}, 1e6, "µs per empty generate()")
-    ax.set_title("Per-call overhead (floor: raw pyzmq fan-out + gather)", fontsize=9)
+                       for k, v in impls.items()}, 1e6, "µs per generate(1)")
+    ax.set_title("Per-call overhead (floor: bare pyzmq echo peers)", fontsize=9)
 
 
 def frames_panel(ax: Axes, r: Results, s: Settings) -> None:

@@ -4,6 +4,7 @@ same work per step and differ only in how the step reaches the ranks and comes b
 Inputs (the same Python objects are handed to every implementation):
 
 - ``None``: an empty step; every rank returns ``None``.
+- an ``int``: the plain loop's call; every rank returns it as it came.
 - ``("plain", shape)``: rank 0 returns a uint8 array of that shape it allocated in
   ``load()`` and keeps (the model's output buffer), others ``None``.
 - ``("shared", shape)``: rank 0 allocates the result with ``shared_empty`` on every
@@ -39,6 +40,8 @@ class BenchModel:
     def step(self, inp: object, shared_empty: SharedEmpty | None = None) -> object:
         if inp is None:
             return None
+        if type(inp) is int:
+            return inp
         if isinstance(inp, np.ndarray):
             _ = inp.flat[0] if inp.size else None  # touch the input as a model would
             return None

@@ -13,7 +13,7 @@ from types import TracebackType
 
 import numpy as np
 
-from benchmarks.baselines.procs import child_env, stop_processes
+from benchmarks.implementations.procs import child_env, stop_processes
 
 
 class JsonSubprocessPool:
@@ -29,8 +29,8 @@ class JsonSubprocessPool:
             for rank in range(world_size):
                 self.procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "benchmarks.baselines.json_child", str(rank),
-                         json.dumps([list(s) for s in result_shapes]), self.tmp],
+                        [sys.executable, "-m", "benchmarks.implementations.baselines.json_child",
+                         str(rank), json.dumps([list(s) for s in result_shapes]), self.tmp],
                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(),
                     )
                 )
@@ -52,6 +52,8 @@ class JsonSubprocessPool:
         in_path = None
         if inp is None:
             req: dict = {"op": "none"}
+        elif type(inp) is int:
+            req = {"op": "int", "arg": inp}
         elif isinstance(inp, np.ndarray):
             in_path = os.path.join(self.tmp, f"in-{self._seq}.npy")
             np.save(in_path, inp)
@@ -78,7 +80,7 @@ class JsonSubprocessPool:
                 raise RuntimeError(f"rank failed: {r['error']}\n{r['traceback']}")
         path = replies[0]["path"]
         if path is None:
-            return None
+            return replies[0].get("value")
         try:
             return np.load(path)
         finally:

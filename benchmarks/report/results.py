@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from benchmarks.stats import Stats, interleave
+from benchmarks.report.stats import Stats, interleave
 
 FLOOR = "floor"
 

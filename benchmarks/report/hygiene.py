@@ -16,21 +16,10 @@ SHM = "/dev/shm"
 
 
 def _tmp_prefixes() -> tuple[str, ...]:
-    # Ours (failure pid files, zmq floor, json baseline) and the runner's private ipc dirs;
+    # Ours (failure pid files, raw floor, json baseline) and the runner's private ipc dirs;
     # both carry the pid of the process that made them.
     pid = os.getpid()
     return (f"rdbench-{pid}-", f"reactor-dist-{pid}-")
-
-
-def _runner_shm_prefix() -> str | None:
-    """The prefix of every /dev/shm entry a runner in this process names (internal API:
-    the bench lives in the same repository)."""
-    try:
-        from reactor_dist import shm
-
-        return shm.owner_prefix()
-    except (ImportError, AttributeError):
-        return None
 
 
 def shm_entries() -> set[str]:
@@ -71,13 +60,11 @@ def _held_elsewhere(names: list[str]) -> set[str]:
 
 
 def _mine(new: list[str]) -> list[str]:
-    """New entries that are ours: named by our runners, or held by no other process
-    (multiprocessing's semaphores have random names)."""
-    prefix = _runner_shm_prefix()
-    ours = [n for n in new if prefix and n.startswith(prefix)]
-    rest = [n for n in new if n not in ours]
-    held = _held_elsewhere(rest) if rest else set()
-    return ours + [n for n in rest if n not in held]
+    """New entries held by no other live process: ours (a runner's segments, whatever
+    their names, and multiprocessing's semaphores, which have random names). One that a
+    leftover process of ours still holds is not counted here; that process is."""
+    held = _held_elsewhere(new) if new else set()
+    return [n for n in new if n not in held]
 
 
 def leftover_children() -> list[psutil.Process]:

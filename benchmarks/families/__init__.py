@@ -1,0 +1,22 @@
+"""What is measured. Every family is a module with the same two functions:
+
+- ``measure(settings, results)``: run it, putting its trials into ``results`` (a family
+  that fails part-way notes it in ``results.notes``; the others still run);
+- ``rows(results, settings)``: its rows of the table, from those trials.
+
+``FAMILIES`` is the order ``python -m benchmarks.run`` runs them in and prints them.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from benchmarks.families import broadcast, failure, frames, overhead, startup
+
+FAMILIES: tuple[tuple[str, ModuleType], ...] = (
+    ("per-call overhead", overhead),
+    ("frames back", frames),
+    ("input broadcast", broadcast),
+    ("failure notice", failure),
+    ("start-up", startup),
+)
