@@ -76,9 +76,13 @@ class Ledger:
         self._pending.append((name, holder))
 
     def take_retired(self) -> list[str]:
-        """The names retired since the last call, for the RETIRED field."""
-        self._apply_releases()
-        retired, self._retired = self._retired, []
+        """The names retired since the last call, for the RETIRED field (called on
+        every message: cheap when there is nothing to tell)."""
+        if self._pending:
+            self._apply_releases()
+        retired = self._retired
+        if retired:
+            self._retired = []
         return retired
 
     def find(self, address: int, nbytes: int) -> tuple[Segment, int] | None:
@@ -97,6 +101,8 @@ class Ledger:
         self.idle.clear()
 
     def _apply_releases(self) -> None:
+        if not self._pending:
+            return
         while self._pending:
             name, holder = self._pending.popleft()
             held = self.holders.get(name)
@@ -146,8 +152,11 @@ class Mapped:
         self._released.extend(names)
 
     def take_released(self) -> list[str]:
-        """The names released since the last call, for the RELEASED field."""
+        """The names released since the last call, for the RELEASED field (called on
+        every message: cheap when there is nothing to tell)."""
         released = self._released
+        if not released:
+            return []
         return [released.popleft() for _ in range(len(released))]
 
     def unmap(self, names: Iterable[str]) -> None:

@@ -217,7 +217,9 @@ class RankServer:
         for name in header.get(Field.RELEASED) or ():
             if isinstance(name, str):
                 self.results.release(name, CALLER)
-        self.inputs.unmap(header.get(Field.RETIRED) or ())
+        retired = header.get(Field.RETIRED)
+        if retired:
+            self.inputs.unmap(retired)
         reply: dict[str, Any] = {Field.KIND: Kind.REPLY, Field.SEQ: header[Field.SEQ],
                                  Field.STATUS: Status.OK}
         payload: list = []
