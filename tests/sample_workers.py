@@ -98,13 +98,8 @@ class FullArray(Step):
         return np.full(self.shape, self.fill, dtype=self.dtype)
 
 
-@dataclasses.dataclass
-class SharedArray(Step):
+class SharedArray(FullArray):
     """A result built in shared memory by ``shared_empty`` (sent without a copy)."""
-
-    shape: tuple | list
-    fill: int | float = 7
-    dtype: str = "uint8"
 
     def run(self, worker: Echo):
         out = worker.shared_empty(self.shape, self.dtype)

@@ -24,61 +24,57 @@ class Pool(Protocol):
     def close(self) -> None: ...
 
 
-class OurPool:
+class _RunnerPool:
+    """A started ``DistributedRunner`` behind the pool interface (shut down if its start
+    fails)."""
+
+    name = OURS
+
+    def _start(self, runner) -> None:
+        self.runner = runner
+        try:
+            runner.start()
+        except BaseException:
+            runner.shutdown()
+            raise
+
+    def generate(self, inp: object) -> object:
+        return self.runner.generate(inp)
+
+    def close(self) -> None:
+        self.runner.shutdown()
+
+
+class OurPool(_RunnerPool):
     """``DistributedRunner`` around ``BenchWorker``, without torch.distributed (the
     transport is what is measured, not group formation)."""
 
-    name = OURS
     supports_shared = True
 
     def __init__(self, world_size: int, result_shapes: list[tuple[int, ...]]) -> None:
         from benchmarks.implementations.bench_workers import BenchWorker
         from reactor_dist import DistributedRunner
 
-        self.runner = DistributedRunner(
+        self._start(DistributedRunner(
             BenchWorker, world_size=world_size, init_process_group=False,
             load_kwargs={"result_shapes": result_shapes}, call_timeout=120.0,
-            start_timeout=120.0,
-        )
-        try:
-            self.runner.start()
-        except BaseException:
-            self.runner.shutdown()
-            raise
-
-    def generate(self, inp: object) -> object:
-        return self.runner.generate(inp)
-
-    def close(self) -> None:
-        self.runner.shutdown()
+            start_timeout=120.0))
 
 
-class EchoRunner:
+class EchoRunner(_RunnerPool):
     """What a user's plain loop runs: ``DistributedRunner(EchoWorker, world_size=N,
     init_process_group=False)``, a module-level worker that returns its input. The
     per-call benchmark times ``generate(1)`` on it."""
 
-    name = OURS
     supports_shared = False
 
     def __init__(self, world_size: int, result_shapes: list[tuple[int, ...]] = ()) -> None:
         from benchmarks.implementations.bench_workers import EchoWorker
         from reactor_dist import DistributedRunner
 
-        self.runner = DistributedRunner(EchoWorker, world_size=world_size,
-                                        init_process_group=False, device="cpu",
-                                        call_timeout=120.0, start_timeout=120.0)
-        try:
-            self.runner.start()
-        except BaseException:
-            self.runner.shutdown()
-            raise
-
-    def generate(self, inp: object) -> object:
-        return self.runner.generate(inp)
-
-    def close(self) -> None:
-        self.runner.shutdown()
+        self._start(DistributedRunner(EchoWorker, world_size=world_size,
+                                      init_process_group=False, device="cpu",
+                                      call_timeout=120.0, start_timeout=120.0))
 
 
 FACTORIES: dict[str, Callable[[int, list[tuple[int, ...]]], Pool]] = {

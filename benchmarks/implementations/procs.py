@@ -26,3 +26,16 @@ def stop_processes(procs: Iterable[subprocess.Popen[bytes]], grace_s: float = 2.
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+class ClosesOnExit:
+    """``with pool:`` closes the pool at the end of the block."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -23,21 +23,10 @@ class Stats:
     def pct(self, q: float) -> float:
         return float(np.percentile(self.samples, q))
 
-    @property
-    def median(self) -> float:
-        return self.pct(50)
-
-    @property
-    def p10(self) -> float:
-        return self.pct(10)
-
-    @property
-    def p90(self) -> float:
-        return self.pct(90)
-
-    @property
-    def p99(self) -> float:
-        return self.pct(99)
+    median = property(lambda self: self.pct(50))
+    p10 = property(lambda self: self.pct(10))
+    p90 = property(lambda self: self.pct(90))
+    p99 = property(lambda self: self.pct(99))
 
 
 def summarize(samples: Sequence[float]) -> Stats:
@@ -59,13 +48,19 @@ def time_calls(fn: Callable[[], object], *, n: int, warmup: int) -> Stats:
         del out
     gc.collect()
     samples: list[float] = []
-    for _ in range(n):
+    record_calls(fn, n, samples)
+    return summarize(samples)
+
+
+def record_calls(fn: Callable[[], object], count: int, into: list[float]) -> None:
+    """Append the seconds each of ``count`` calls of ``fn`` took; each result is dropped
+    before the next call."""
+    for _ in range(count):
         t0 = time.perf_counter()
         out = fn()
         t1 = time.perf_counter()
         del out
-        samples.append(t1 - t0)
-    return summarize(samples)
+        into.append(t1 - t0)
 
 
 def interleave(
@@ -101,14 +96,8 @@ def interleave(
             if key not in live:
                 continue
             block = max(1, -(-n[key] // rounds))
-            fn, acc = live[key], samples[key]
             try:
-                for _ in range(block):
-                    t0 = time.perf_counter()
-                    out = fn()
-                    t1 = time.perf_counter()
-                    del out
-                    acc.append(t1 - t0)
+                record_calls(live[key], block, samples[key])
             except Exception as exc:
                 failed(key, exc)
                 del live[key]

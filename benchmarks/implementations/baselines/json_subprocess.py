@@ -9,14 +9,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from types import TracebackType
 
 import numpy as np
 
-from benchmarks.implementations.procs import child_env, stop_processes
+from benchmarks.implementations.procs import ClosesOnExit, child_env, stop_processes
 
 
-class JsonSubprocessPool:
+class JsonSubprocessPool(ClosesOnExit):
     name = "json-subprocess"
     supports_shared = False
 
@@ -100,10 +99,3 @@ class JsonSubprocessPool:
                 p.stdout.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def __enter__(self) -> JsonSubprocessPool:
-        return self
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()

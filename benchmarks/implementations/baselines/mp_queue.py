@@ -8,8 +8,8 @@ import queue
 import time
 import traceback
 from multiprocessing.process import BaseProcess
-from types import TracebackType
 
+from benchmarks.implementations.procs import ClosesOnExit
 from benchmarks.implementations.workload import BenchModel
 
 _STOP = "__stop__"
@@ -28,7 +28,7 @@ def _serve(rank: int, result_shapes: list[tuple[int, ...]], req: mp.Queue, rep: 
             rep.put(("err", f"{exc!r}\n{traceback.format_exc()}"))
 
 
-class MpQueuePool:
+class MpQueuePool(ClosesOnExit):
     name = "mp-queue"
     supports_shared = False
 
@@ -96,10 +96,3 @@ class MpQueuePool:
         # Dropping the queues unlinks their named semaphores from /dev/shm now, not at exit.
         self.req, self.rep, self.procs = [], [], []
 
-    def __enter__(self) -> MpQueuePool:
-        return self
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
