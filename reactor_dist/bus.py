@@ -10,17 +10,48 @@ before anything in it is decoded; what is not ours is dropped unread.
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import tempfile
 from typing import Any
 
+import psutil
 import zmq
 
 from . import wire
-from .protocol import Field, Kind
+from .protocol import IPC_DIR_PREFIX, Field, Kind, ipc_dir_owner
 
 # A wait may end this much before or after its deadline: a call's second receive then
 # keeps the first one's RCVTIMEO instead of setting it anew.
 TIMEOUT_SLACK_MS = 5
 FOREVER_MS = 1 << 62
+
+
+def reclaim_dead_ipc_dirs() -> None:
+    """Private directories of runners killed together with their ranks: their owner's
+    pid is in the name; a dead owner's directory is ours to remove (never a live one's)."""
+    for base in {tempfile.gettempdir(), "/tmp"}:
+        try:
+            names = os.listdir(base)
+        except OSError:
+            continue
+        for name in names:
+            owner = ipc_dir_owner(name)
+            if owner is None:
+                continue
+            path = os.path.join(base, name)
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_uid == os.getuid() and not psutil.pid_exists(owner):
+                    shutil.rmtree(path, ignore_errors=True)
+
+
+def private_dir() -> str:
+    prefix = f"{IPC_DIR_PREFIX}{os.getpid()}-"
+    path = tempfile.mkdtemp(prefix=prefix)  # mode 0700
+    if len(path) > 90:  # ipc:// paths are limited to ~107 bytes
+        os.rmdir(path)
+        path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    return path
 
 
 class Bus:

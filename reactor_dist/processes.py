@@ -19,6 +19,7 @@ import contextlib
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -29,13 +30,20 @@ from typing import Any
 import psutil
 
 from .output import RankOutput
-from .protocol import MARK_ENV
+from .protocol import MARK_ENV, torchrun_env
 
 # Python 3.10 has no process_group=: a new session also makes a new process group.
 OWN_PROCESS_GROUP: dict[str, Any] = (
     {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True})
 POLL_MS = 20  # how often the watch checks ranks it has no pidfd for
 STACK_DUMP_WAIT = 0.5
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (MASTER_PORT for models that form their own group)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def signal_name(signum: int) -> str:
@@ -172,12 +180,27 @@ class DeathWatch:
 class Ranks:
     """The rank processes of one runner."""
 
-    def __init__(self, on_death: Callable[[list[int]], None]) -> None:
+    def __init__(self, world_size: int, on_death: Callable[[list[int]], None]) -> None:
+        self.world_size = world_size
         self.procs: list[RankProcess] = []
         self.watch = DeathWatch(on_death)
 
-    def spawn(self, rank: int, cmd: list[str], env: dict[str, str], bootstrap: bytes) -> None:
-        proc = RankProcess(rank, cmd, env, os.getcwd(), bootstrap)
+    def spawn(self, rank: int, bootstrap: bytes, *, master_port: int, env: dict[str, str],
+              gpus: list[int] | None, launch_prefix: list[str]) -> None:
+        """Start rank ``rank``: ``python -m reactor_dist.rank`` (behind ``launch_prefix``)
+        with the torchrun environment and ``env``; the bootstrap goes to its stdin."""
+        full_env = dict(os.environ)
+        full_env.update(env)
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            [package_root] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        full_env.update(torchrun_env(rank, self.world_size,
+                                     master_port), PYTHONUNBUFFERED="1")
+        if gpus is not None:
+            full_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        prefix = [part.replace("{rank}", str(rank)) for part in launch_prefix]
+        cmd = prefix + [sys.executable, "-m", "reactor_dist.rank"]
+        proc = RankProcess(rank, cmd, full_env, os.getcwd(), bootstrap)
         self.procs.append(proc)
         self.watch.watch(proc)
 

@@ -15,10 +15,13 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
     call      ->   generate() / reset()       METHOD, DESCRIPTORS (input buffers),
                                               RELEASED (result segments the caller let
                                               go), RETIRED (input segments unlinked)
+    item      <-   rank 0's generate() yielded INDEX (0, 1, ...), DESCRIPTORS (the
+                   (a generator worker)       item's buffers), RELEASED, RETIRED
     reply     <-   the method returned/raised STATUS, ERROR, DESCRIPTORS (rank 0's
-                                              result), RELEASED (input segments the
-                                              rank let go), RETIRED (result segments
-                                              rank 0 unlinked)
+                   (a generator: ran out)     result), ITEMS (how many items rank 0
+                                              sent, for a generator), RELEASED (input
+                                              segments the rank let go), RETIRED
+                                              (result segments rank 0 unlinked)
     shutdown  ->   graceful shutdown          -
     death     (inproc, the runner's death watch to its own PULL socket) RANK = who died
 
@@ -65,16 +68,18 @@ class Field:
     RETIRED = "ret"
     PID = "pid"
     PORT = "port"
+    INDEX = "i"
+    ITEMS = "n"
 
 
 class Kind:
     """The value of ``Field.KIND``."""
 
     PING, INIT, CALL, SHUTDOWN = "ping", "init", "call", "shutdown"  # runner -> every rank
-    PONG, READY, REPLY = "pong", "ready", "reply"  # one rank -> runner
+    PONG, READY, REPLY, ITEM = "pong", "ready", "reply", "item"  # one rank -> runner
     DEATH = "death"  # the runner's death watch -> its own PULL socket
     COMMANDS = frozenset({PING, INIT, CALL, SHUTDOWN})
-    REPLIES = frozenset({PONG, READY, REPLY})
+    REPLIES = frozenset({PONG, READY, REPLY, ITEM})
     ALL = COMMANDS | REPLIES | {DEATH}
     TO_RUNNER = REPLIES | {DEATH}  # what the runner's PULL socket accepts
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import inspect
 import os
 import pickle
 import select
@@ -231,6 +232,11 @@ class RankServer:
                 value = transfer.decode(header.get(Field.DESCRIPTORS), body, self.input_base)
                 result = self.worker.generate(value)
                 del value
+                if inspect.isgenerator(result):
+                    reply[Field.ITEMS], error = self.run_steps(header[Field.SEQ], result)
+                    result = None
+                    if error is not None:
+                        reply[Field.STATUS] = Status.UNDELIVERABLE
             else:
                 self.worker.reset()
         except SharedSlotAllocationFailed as exc:
@@ -243,7 +249,7 @@ class RankServer:
         except BaseException as exc:
             reply[Field.STATUS], error = Status.RAISED, exc
             value = result = None
-        if error is None and generate and self.rank == 0:
+        if error is None and generate and self.rank == 0 and Field.ITEMS not in reply:
             try:
                 descriptors, payload, _ = transfer.encode(
                     result, self.results, "the result of generate() on rank 0",
@@ -266,6 +272,43 @@ class RankServer:
             reply[Field.RETIRED] = retired
         self.send(reply, payload)
         self.check_written_views()
+
+    def run_steps(self, seq: int, steps: Any) -> tuple[int, BaseException | None]:
+        """Run a generator worker's step to its end (its collectives are inside it); rank
+        0 sends each item as it is yielded.  An item rank 0 cannot send is a delivery
+        failure: the rest of the step still runs, its items are not sent.  Returns how
+        many items were yielded and the delivery failure, if any."""
+        count, failure = 0, None
+        try:
+            for item in steps:
+                index, count = count, count + 1
+                if self.rank != 0 or failure is not None:
+                    continue
+                what = f"item {index} of generate() on rank 0"
+                try:
+                    descriptors, payload, _ = transfer.encode(
+                        item, self.results, what, holders=(CALLER,), reuse_segments=True)
+                except SharedSlotAllocationFailed as exc:
+                    failure = exc
+                    continue
+                except Exception as exc:
+                    failure = TypeError(
+                        f"{what} (a {type(item).__name__}) cannot be pickled "
+                        f"({type(exc).__name__}: {exc}); items must pickle like results")
+                    failure.__cause__ = exc
+                    continue
+                del item
+                message: dict[str, Any] = {Field.KIND: Kind.ITEM, Field.SEQ: seq,
+                                           Field.INDEX: index}
+                if descriptors:
+                    message[Field.DESCRIPTORS] = descriptors
+                retired = self.results.take_retired()
+                if retired:
+                    message[Field.RETIRED] = retired
+                self.send(message, payload)
+        finally:
+            steps.close()
+        return count, failure
 
     def check_written_views(self) -> None:
         """Drop mappings this rank wrote to; runs after the reply, off the caller's clock."""

@@ -26,7 +26,8 @@ from .errors import WorkerCrashed, WorkerTimeout
 from .outcome import judge
 from .protocol import Method
 from .shm import DEFAULT_DIR
-from .transport import Transport
+from .stream import Stream
+from .transport import PendingCall, Transport
 from .validation import check_load_kwargs, check_methods, check_world_size, locate
 
 NEW, READY, UNUSABLE, CLOSED = "new", "ready", "unusable", "closed"
@@ -100,6 +101,10 @@ class DistributedRunner:
         self._state = [NEW]  # a list, shared with the finalizer
         self._failure: BaseException | None = None
         self._lock = threading.RLock()
+        self._turn = threading.Condition(self._lock)  # an open stream ended
+        # The open stream (weakly: dropping it leaves it); no other call starts meanwhile.
+        self._stream: weakref.ref[Stream] | None = None
+        self._abandoned: PendingCall | None = None  # a stream left early, still running
         self._finalizer = weakref.finalize(self, _close, self._transport, self._state)
 
     # -- properties -----------------------------------------------------------------------
@@ -134,6 +139,18 @@ class DistributedRunner:
         """Run ``generate(input)`` on every rank; rank 0's result, or the contract's error."""
         return self._call(Method.GENERATE, input, timeout)
 
+    def stream(self, input: Any, /, *,
+               timeout: float | None | EllipsisType = ...) -> Stream:
+        """Run ``generate(input)`` on every rank; iterate rank 0's items as they are made.
+
+        ``timeout`` bounds the wait for each next item and for the end of the step.
+        Leaving early lets the step finish on every rank and drops the rest unread."""
+        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
+        with self._lock:
+            stream = Stream(self, self._send(Method.GENERATE, input, timeout))
+            self._stream = weakref.ref(stream)
+            return stream
+
     def reset(self, *, timeout: float | None | EllipsisType = ...) -> None:
         """Run ``reset()`` on every rank (clear session state, keep weights)."""
         self._call(Method.RESET, None, timeout)
@@ -159,18 +176,48 @@ class DistributedRunner:
     def _call(self, method: str, value: Any, timeout: Any) -> Any:
         timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
         with self._lock:
-            if self._state[0] != READY:
-                self._check_usable()  # raises
+            pending = self._send(method, value, timeout)
             try:
-                outcomes = self._transport.call(method, value, timeout)
+                self._transport.collect(pending)
             except (WorkerCrashed, WorkerTimeout) as exc:
                 raise self._break(exc) from None
-            verdict = judge(method, outcomes)
+            verdict = judge(method, self._transport.outcomes(pending))
             if verdict.error is None:
                 return verdict.value
             if verdict.breaks:
                 self._break(verdict.error)
             raise verdict.error
+
+    def _send(self, method: str, value: Any, timeout: float | None) -> PendingCall:
+        """Under the lock: once no stream is open and an abandoned one ended, publish."""
+        while self._stream is not None:
+            stream = self._stream()
+            if stream is None:  # collected: it has left (and said so) or is leaving now
+                self._stream = None
+                break
+            if stream.thread == threading.get_ident():
+                raise RuntimeError(
+                    f"the stream of {stream.what} is still open in this thread: iterate "
+                    f"it to the end or close() it before the next call")
+            del stream
+            self._turn.wait()
+        if self._state[0] != READY:
+            self._check_usable()  # raises
+        try:
+            if self._abandoned is not None:
+                self._finish_abandoned()
+            return self._transport.send(method, value, timeout)
+        except (WorkerCrashed, WorkerTimeout) as exc:
+            raise self._break(exc) from None
+
+    def _finish_abandoned(self) -> None:
+        """Wait for the end of a stream left early; its outcome only matters if the
+        ranks fell out of step."""
+        pending, self._abandoned = self._abandoned, None
+        assert pending is not None
+        verdict = judge(pending.method, self._transport.finish(pending))
+        if verdict.breaks:
+            raise self._break(verdict.error)
 
     def _check_usable(self) -> None:
         state = self._state[0]

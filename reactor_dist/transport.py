@@ -25,28 +25,25 @@ the other way (Field.RELEASED / Field.RETIRED).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import pickle
 import shutil
-import socket
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
-import psutil
 import zmq
 
 from . import shm, transfer
-from .bus import Bus
+from .bus import Bus, private_dir, reclaim_dead_ipc_dirs
 from .errors import WorkerCrashed, WorkerTimeout, rebuild_exception, type_name
 from .ledger import Ledger, Mapped
 from .outcome import RETURNED, Outcome
-from .processes import Ranks
+from .processes import Ranks, free_port
 from .protocol import (
-    IPC_DIR_PREFIX,
     SECRET_SIZE,
     Bootstrap,
     ErrorRecord,
@@ -55,46 +52,34 @@ from .protocol import (
     Method,
     Status,
     WorkerRef,
-    ipc_dir_owner,
     segments_of,
-    torchrun_env,
 )
 
 PING_EVERY = 0.02  # handshake: until every rank answered (PUB/SUB's slow joiner)
 Replies = dict[int, tuple[dict, list]]
+ENDED = object()  # next_item(): every rank answered, no item is left
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class PendingCall:
+    """One call the ranks are running: its replies so far and rank 0's items not yet
+    taken (a stream's, or a generate() of a generator worker's)."""
+
+    __slots__ = ("seq", "method", "timeout", "what", "replies", "items", "abandoned",
+                 "generator")
+
+    def __init__(self, seq: int, method: str, timeout: float | None) -> None:
+        self.seq, self.method, self.timeout = seq, method, timeout
+        self.what = f"{method}() (call {seq})"
+        self.replies: Replies = {}
+        self.items: collections.deque[Any] = collections.deque()
+        self.abandoned = False  # left early: its items go back unread
+        self.generator = False  # rank 0's generate() was a generator (known at the end)
 
 
-def reclaim_dead_ipc_dirs() -> None:
-    """Private directories of runners killed together with their ranks: their owner's
-    pid is in the name; a dead owner's directory is ours to remove (never a live one's)."""
-    for base in {tempfile.gettempdir(), "/tmp"}:
-        try:
-            names = os.listdir(base)
-        except OSError:
-            continue
-        for name in names:
-            owner = ipc_dir_owner(name)
-            if owner is None:
-                continue
-            path = os.path.join(base, name)
-            with contextlib.suppress(OSError):
-                if os.stat(path).st_uid == os.getuid() and not psutil.pid_exists(owner):
-                    shutil.rmtree(path, ignore_errors=True)
+class Undecodable(NamedTuple):
+    """An item that did not unpickle in the caller (raised where it is taken)."""
 
-
-def private_dir() -> str:
-    prefix = f"{IPC_DIR_PREFIX}{os.getpid()}-"
-    path = tempfile.mkdtemp(prefix=prefix)  # mode 0700
-    if len(path) > 90:  # ipc:// paths are limited to ~107 bytes
-        os.rmdir(path)
-        path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
-    return path
+    error: Exception
 
 
 class Transport:
@@ -133,36 +118,27 @@ class Transport:
         reclaim_dead_ipc_dirs()
         self.ipc_dir = private_dir()
         self.bus = Bus(self.secret, self.ipc_dir, self.world_size)
-        self.ranks = Ranks(self.bus.tell_death)
+        self.ranks = Ranks(self.world_size, self.bus.tell_death)
         # For models that form their own group (init_process_group=False): one port for
         # all ranks. With our group, rank 0's store binds port 0 and Kind.INIT carries its port.
         master_port = free_port()
         for rank in range(self.world_size):
             self._spawn(rank, master_port)
         bus = self.bus
-        pongs = self.collect(Kind.PONG, 0, deadline - time.monotonic(), "start()",
-                             ping=lambda: bus.publish({Field.KIND: Kind.PING, Field.SEQ: 0}),
-                             stated_timeout=timeout)
+        pongs = self.handshake(Kind.PONG, deadline - time.monotonic(), timeout,
+                               ping=lambda: bus.publish({Field.KIND: Kind.PING, Field.SEQ: 0}))
         for rank, (header, _) in pongs.items():
             self.ranks.found_launcher(rank, header.get(Field.PID))
         store_port = pongs[0][0].get(Field.PORT) or 0
         bus.publish({Field.KIND: Kind.INIT, Field.SEQ: 0, Field.PORT: store_port})
-        ready = self.collect(Kind.READY, 0, deadline - time.monotonic(), "start()",
-                             first_error=True, stated_timeout=timeout)
+        ready = self.handshake(Kind.READY, deadline - time.monotonic(), timeout,
+                               first_error=True)
         for rank, (header, body) in ready.items():
             if header.get(Field.STATUS) == Status.RAISED:
                 raise rebuild_exception(ErrorRecord.parse(header.get(Field.ERROR)),
                                         body[0] if body else None, rank)
 
     def _spawn(self, rank: int, master_port: int) -> None:
-        env = dict(os.environ)
-        env.update(self._env)
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(
-            [package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        env.update(torchrun_env(rank, self.world_size, master_port), PYTHONUNBUFFERED="1")
-        if self._gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self._gpus)
         assert self.bus is not None and self.ranks is not None
         boot = Bootstrap(
             rank=rank, world_size=self.world_size, secret=self.secret,
@@ -172,16 +148,22 @@ class Transport:
             init_process_group=self._init_process_group, device=self._device,
             start_timeout=self._start_timeout, keep_free=self._keep_free,
             sys_path=list(sys.path))
-        prefix = [part.replace("{rank}", str(rank)) for part in self._launch_prefix]
-        cmd = prefix + [sys.executable, "-m", "reactor_dist.rank"]
-        self.ranks.spawn(rank, cmd, env, boot.to_bytes())
+        self.ranks.spawn(rank, boot.to_bytes(), master_port=master_port, env=self._env,
+                         gpus=self._gpus, launch_prefix=self._launch_prefix)
 
     # -- one call ------------------------------------------------------------------------
     def call(self, method: str, value: Any, timeout: float | None) -> list[Outcome]:
-        """Run ``method(value)`` on every rank: one Outcome per rank, in rank order.
+        """Run ``method(value)`` on every rank: one Outcome per rank, in rank order (a
+        generator worker's items, decoded as they came, are rank 0's value).
 
         Raises before sending (TypeError: the input does not pickle;
         SharedSlotAllocationFailed), or WorkerCrashed / WorkerTimeout."""
+        pending = self.send(method, value, timeout)
+        self.collect(pending)
+        return self.outcomes(pending)
+
+    def send(self, method: str, value: Any, timeout: float | None) -> PendingCall:
+        """Publish one call; raises (having sent nothing) when it can't."""
         assert self.ranks is not None and self.bus is not None
         if self.ranks.watch.fired:
             dead = self.ranks.dead()
@@ -216,23 +198,40 @@ class Transport:
         if retired:
             header[Field.RETIRED] = retired
         self.bus.publish(header, body)
-        replies = self.collect(Kind.REPLY, seq, timeout, f"{method}() (call {seq})")
-        return self.outcomes(method, replies)
+        return PendingCall(seq, method, timeout)
 
-    def outcomes(self, method: str, replies: Replies) -> list[Outcome]:
+    def next_item(self, pending: PendingCall) -> Any:
+        """The next of rank 0's items (``ENDED`` once every rank answered); an item that
+        cannot be unpickled here is raised."""
+        while not pending.items:
+            if len(pending.replies) == self.world_size:
+                return ENDED
+            self.collect(pending, until_item=True)
+        item = pending.items.popleft()
+        if isinstance(item, Undecodable):
+            raise item.error
+        return item
+
+    def outcomes(self, pending: PendingCall) -> list[Outcome]:
         """Every rank's Outcome; rank 0's result is decoded only when every rank returned
         (else it is released unread: the call fails whatever it holds)."""
+        replies = pending.replies
         if [h.get(Field.STATUS) for h, _ in replies.values()].count(Status.OK) == self.world_size:
             first = RETURNED
-            if method == Method.GENERATE:
+            if pending.method == Method.GENERATE:
                 header, body = replies[0]
                 try:
-                    first = Outcome(Status.OK, transfer.decode(header.get(Field.DESCRIPTORS), body,
-                                                        self.results.base))
+                    pending.generator = Field.ITEMS in header
+                    if pending.generator:  # its items are the value
+                        value: Any = list(pending.items)
+                        undecodable = [i for i in value if isinstance(i, Undecodable)]
+                        if undecodable:
+                            raise undecodable[0].error
+                    else:
+                        value = transfer.decode(header.get(Field.DESCRIPTORS), body,
+                                                self.results.base)
+                    first = Outcome(Status.OK, value)
                 except Exception as exc:
-                    if hasattr(exc, "add_note"):  # Python 3.11+
-                        exc.add_note("(while unpickling rank 0's result in the caller; the "
-                                     "runner stays healthy)")
                     first = Outcome(Status.UNDELIVERABLE, None, exc, type_name(exc))
             return [first] + [RETURNED] * (self.world_size - 1)
         outcomes = []
@@ -250,50 +249,103 @@ class Transport:
             outcomes.append(Outcome(status, None, error, record.type))
         return outcomes
 
-    def collect(self, kind: str, seq: int, timeout: float | None, what: str,
-                ping: Callable[[], None] | None = None, first_error: bool = False,
-                stated_timeout: float | None = None) -> Replies:
-        """Wait for ``kind``/``seq`` from every rank; WorkerCrashed on a death notice,
-        WorkerTimeout at the deadline.  With ``first_error`` a Status.RAISED answer ends the
-        wait at once (start-up: a failed load() makes the rest pointless); ``ping`` is
-        repeated every PING_EVERY while waiting.
-
-        This loop is most of what an empty call costs the caller, so it stays lean:
-        one blocking receive per message, which the death watch's notice also wakes."""
-        assert self.bus is not None and self.ranks is not None
-        receive = self.bus.receive
-        replies: Replies = {}
+    def collect(self, pending: PendingCall, until_item: bool = False) -> None:
+        """Wait for every rank's REPLY to ``pending`` (or, ``until_item``, for rank 0's next
+        ITEM); WorkerCrashed on a death notice, WorkerTimeout when ``pending.timeout``
+        passes without a reply or an item.  Items are decoded as they come, unless the
+        call was abandoned (then their segments go back unread)."""
+        seq, replies, items = pending.seq, pending.replies, pending.items
+        timeout = pending.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
+        while len(replies) < self.world_size:
+            header, body = self.wait(deadline, pending.what, replies, timeout)
+            if header is None:
+                continue
+            kind, rank = header[Field.KIND], header[Field.RANK]
+            if kind == Kind.REPLY and header[Field.SEQ] == seq:
+                if rank not in replies:
+                    replies[rank] = (header, body)
+            elif kind == Kind.ITEM and header[Field.SEQ] == seq and rank == 0:
+                if pending.abandoned:
+                    self.results.release(segments_of(header.get(Field.DESCRIPTORS)))
+                    continue
+                items.append(self.decode_item(header, body))
+                if until_item:
+                    return
+                if timeout is not None:  # the timeout bounds the wait for each item
+                    deadline = time.monotonic() + timeout
+            elif kind == Kind.DEATH:
+                raise self.crashed(self.ranks.dead() or [rank], pending.what)
+            elif kind in (Kind.REPLY, Kind.ITEM):
+                # Of an older (interrupted) call: hand its segments back.
+                self.results.release(segments_of(header.get(Field.DESCRIPTORS)))
+
+    def decode_item(self, header: dict[str, Any], body: list) -> Any:
+        try:
+            return transfer.decode(header.get(Field.DESCRIPTORS), body, self.results.base)
+        except Exception as exc:
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(f"(while unpickling item {header.get(Field.INDEX)} of rank 0 in "
+                             f"the caller; the runner stays healthy)")
+            return Undecodable(exc)
+
+    def wait(self, deadline: float | None, what: str, replies: Replies,
+             timeout: float | None) -> tuple[Any, Any]:
+        """The next message for the runner, ``(None, None)`` when none came in time;
+        WorkerTimeout once ``deadline`` passed.  Applies the ledger fields every message
+        carries."""
+        assert self.bus is not None
+        if deadline is None:
+            message = self.bus.receive(-1)
+        else:
+            message = self.bus.receive(int(max(0.0, deadline - time.monotonic()) * 1000) + 1)
+        if message is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                silent = [r for r in range(self.world_size) if r not in replies]
+                raise self.timed_out(silent, timeout, what, replies)
+            return None, None
+        header = message[0]
+        if Field.RELEASED in header or Field.RETIRED in header:
+            self._apply_ledger_fields(header)
+        return message
+
+    def handshake(self, kind: str, timeout: float, stated_timeout: float,
+                  ping: Callable[[], None] | None = None, first_error: bool = False) -> Replies:
+        """Start-up: wait for ``kind`` from every rank, ``ping`` repeated every PING_EVERY;
+        with ``first_error`` a RAISED answer ends the wait at once (a failed load() makes
+        the rest pointless)."""
+        assert self.ranks is not None and self.bus is not None
+        replies: Replies = {}
+        deadline = time.monotonic() + timeout
         while len(replies) < self.world_size:
             if ping is not None:
                 ping()
-                left = PING_EVERY if deadline is None else \
-                    min(max(0.0, deadline - time.monotonic()), PING_EVERY)
-                wait_ms = int(left * 1000) + 1
-            elif deadline is None:
-                wait_ms = -1
-            else:
-                wait_ms = int(max(0.0, deadline - time.monotonic()) * 1000) + 1
-            message = receive(wait_ms)
-            if message is not None:
-                header, body = message
-                if Field.RELEASED in header or Field.RETIRED in header:
-                    self._apply_ledger_fields(header)
-                rank = header[Field.RANK]
-                if header[Field.KIND] == kind and header[Field.SEQ] == seq and rank not in replies:
-                    replies[rank] = message
-                    if first_error and header.get(Field.STATUS) == Status.RAISED:
-                        return {rank: message}
-                elif header[Field.KIND] == Kind.DEATH:
-                    raise self.crashed(self.ranks.dead() or [header[Field.RANK]], what)
-                elif header[Field.KIND] == Kind.REPLY and header[Field.SEQ] != seq:
-                    # The answer to an older (interrupted) call: hand its segments back.
-                    self.results.release(segments_of(header.get(Field.DESCRIPTORS)))
-            if deadline is not None and len(replies) < self.world_size and \
-                    time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 silent = [r for r in range(self.world_size) if r not in replies]
-                raise self.timed_out(silent, stated_timeout or timeout, what, replies)
+                raise self.timed_out(silent, stated_timeout, "start()", replies)
+            wait = min(left, PING_EVERY) if ping is not None else left
+            message = self.bus.receive(int(wait * 1000) + 1)
+            if message is None:
+                continue
+            header, rank = message[0], message[0][Field.RANK]
+            if header[Field.KIND] == kind and rank not in replies:
+                replies[rank] = message
+                if first_error and header.get(Field.STATUS) == Status.RAISED:
+                    return {rank: message}
+            elif header[Field.KIND] == Kind.DEATH:
+                raise self.crashed(self.ranks.dead() or [rank], "start()")
         return replies
+
+    def finish(self, pending: PendingCall) -> list[Outcome]:
+        """Wait for the end of an abandoned call, its remaining items handed back unread
+        (the next call must not start while the ranks still run this step)."""
+        pending.abandoned = True
+        while pending.items:
+            item = pending.items.popleft()
+            del item
+        self.collect(pending)
+        return self.outcomes(pending)
 
     def _apply_ledger_fields(self, header: dict[str, Any]) -> None:
         """A rank's Field.RELEASED input segments and rank 0's Field.RETIRED result segments."""

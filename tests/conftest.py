@@ -46,6 +46,17 @@ def wait_gone(pids, timeout: float = 3.0) -> list[int]:
         time.sleep(0.02)
 
 
+def segment_of(address: int) -> str | None:
+    """The /dev/shm file this process maps at ``address`` (from /proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= address < hi and len(parts) >= 6:
+                return parts[5]
+    return None
+
+
 @pytest.fixture(autouse=True)
 def nothing_left_behind():
     """After each test: no new child process, no /dev/shm entry of ours, no ipc dir."""

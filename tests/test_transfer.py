@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import our_shm_entries
+from conftest import our_shm_entries, segment_of
 from probe import Probe
 from sample_workers import Echo, FullArray, SharedArray, WriteInput
 
@@ -39,17 +39,6 @@ def echo2():
 def nothing_left_behind():
     """Overrides conftest's: the module runner lives across tests; checked at module end."""
     yield
-
-
-def segment_of(address: int) -> str | None:
-    """The /dev/shm file this process maps at ``address`` (from /proc/self/maps)."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            parts = line.split()
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            if lo <= address < hi and len(parts) >= 6:
-                return parts[5]
-    return None
 
 
 ALL_DTYPES = [np.dtype(c) for c in "?bBhHiIlLqQefdgFDG"] + [
