@@ -15,6 +15,7 @@ shared memory) and one :func:`~reactor_dist.outcome.judge` (the error contract).
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 import weakref
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from types import EllipsisType
 from typing import Any
 
+from . import aio
 from .errors import WorkerCrashed, WorkerTimeout
 from .outcome import judge
 from .protocol import Method
@@ -102,8 +104,11 @@ class DistributedRunner:
         self._failure: BaseException | None = None
         self._lock = threading.RLock()
         self._turn = threading.Condition(self._lock)  # an open stream ended
-        # The open stream (weakly: dropping it leaves it); no other call starts meanwhile.
-        self._stream: weakref.ref[Stream] | None = None
+        # The open stream or async call (weakly: dropping a stream leaves it); no other
+        # call starts meanwhile.
+        self._open: weakref.ref[Any] | None = None
+        self._tasks: asyncio.Lock | None = None  # async callers take turns here
+        self._tasks_loop: asyncio.AbstractEventLoop | None = None
         self._abandoned: PendingCall | None = None  # a stream left early, still running
         self._finalizer = weakref.finalize(self, _close, self._transport, self._state)
 
@@ -148,12 +153,53 @@ class DistributedRunner:
         timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
         with self._lock:
             stream = Stream(self, self._send(Method.GENERATE, input, timeout))
-            self._stream = weakref.ref(stream)
+            self._open = weakref.ref(stream)
             return stream
 
     def reset(self, *, timeout: float | None | EllipsisType = ...) -> None:
         """Run ``reset()`` on every rank (clear session state, keep weights)."""
         self._call(Method.RESET, None, timeout)
+
+    # -- asyncio ------------------------------------------------------------------------------
+    async def astart(self) -> None:
+        """:meth:`start`, in a worker thread: the event loop keeps running meanwhile."""
+        await asyncio.to_thread(self.start)
+
+    async def agenerate(self, input: Any, /, *,
+                        timeout: float | None | EllipsisType = ...) -> Any:
+        """:meth:`generate` for a task: the loop never blocks, tasks take turns in order."""
+        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
+        return await aio.call(self, Method.GENERATE, input, timeout)
+
+    async def areset(self, *, timeout: float | None | EllipsisType = ...) -> None:
+        """:meth:`reset` for a task."""
+        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
+        await aio.call(self, Method.RESET, None, timeout)
+
+    def astream(self, input: Any, /, *,
+                timeout: float | None | EllipsisType = ...) -> aio.AsyncStream:
+        """:meth:`stream` for ``async for``; the call starts at the first item awaited."""
+        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
+        return aio.AsyncStream(self, input, timeout)
+
+    async def ashutdown(self) -> None:
+        """:meth:`shutdown`, in a worker thread (it may wait for the ranks' grace)."""
+        await asyncio.to_thread(self.shutdown)
+
+    async def __aenter__(self) -> DistributedRunner:
+        if self._state[0] == NEW:
+            await self.astart()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.ashutdown()
+
+    def _task_lock(self) -> asyncio.Lock:
+        """The turn of async callers, one lock per event loop (a runner may outlive one)."""
+        loop = asyncio.get_running_loop()
+        if self._tasks is None or self._tasks_loop is not loop:
+            self._tasks, self._tasks_loop = asyncio.Lock(), loop
+        return self._tasks
 
     def shutdown(self) -> None:
         """End every rank and remove every file. Idempotent; also runs at exit."""
@@ -190,16 +236,16 @@ class DistributedRunner:
 
     def _send(self, method: str, value: Any, timeout: float | None) -> PendingCall:
         """Under the lock: once no stream is open and an abandoned one ended, publish."""
-        while self._stream is not None:
-            stream = self._stream()
-            if stream is None:  # collected: it has left (and said so) or is leaving now
-                self._stream = None
+        while self._open is not None:
+            holder = self._open()
+            if holder is None:  # a stream collected: it has left (and said so) or is leaving
+                self._open = None
                 break
-            if stream.thread == threading.get_ident():
+            if holder.thread == threading.get_ident():
                 raise RuntimeError(
-                    f"the stream of {stream.what} is still open in this thread: iterate "
-                    f"it to the end or close() it before the next call")
-            del stream
+                    f"{holder.what} is still open in this thread: iterate it to the end or "
+                    f"close() it (or await it) before the next call")
+            del holder
             self._turn.wait()
         if self._state[0] != READY:
             self._check_usable()  # raises

@@ -37,7 +37,7 @@ class Stream:
         self._runner = runner
         self._pending: PendingCall | None = pending
         self.thread = threading.get_ident()  # where it was opened
-        self.what = pending.what
+        self.what = f"the stream of {pending.what}"
 
     def __iter__(self) -> Stream:
         return self
@@ -85,9 +85,9 @@ class Stream:
     def _end(self) -> None:
         runner = self._runner
         self._pending = None
-        ref = runner._stream
+        ref = runner._open
         if ref is not None and ref() in (self, None):
-            runner._stream = None
+            runner._open = None
             runner._turn.notify_all()
 
     def __del__(self) -> None:

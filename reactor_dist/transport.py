@@ -1,26 +1,20 @@
 """The runner's side of one call: encode, publish, collect, decode.
 
-Data flow of one ``generate(x)``::
+Data flow of one ``generate(x)`` (rank side: :mod:`reactor_dist.rank`)::
 
-    caller thread (Transport.call)                 rank r (x world_size, rank.py)
-    ------------------------------------------     ---------------------------------
-    encode x: pickle-5 stream + buffers;
-      big buffers -> one input segment (1 copy)
-    Bus.publish Kind.CALL ----------------------------> SUB: verify MAC, map input segment
-                                                    copy-on-write, unpickle, generate()
-    Bus.receive (PULL) <-------------------------- PUSH Kind.REPLY (status, error)
-      a reply to an older call: its result          rank 0 alone adds its result: big
-        segments released, nothing else             buffers copied into a warm result
-      Kind.DEATH (from the death watch): WorkerCrashed   segment (or none: shared_empty)
-      deadline: WorkerTimeout with the silent
-        ranks' stacks
-    decode rank 0's result (arrays view the
-      result segment); per-rank Outcomes
-    -> runner: outcome.judge -> result or error
+    caller thread                                rank r (x world_size)
+    encode x (big buffers: 1 copy into an
+      input segment); Bus.publish CALL ------->  verify, map input, generate()
+    Bus.receive <------------------------------  REPLY (status, error); rank 0 adds its
+      ITEMs of this call: decoded, kept          result, or first one ITEM per yielded
+      an older call's: segments released         item (big buffers in result segments)
+      DEATH (death watch): WorkerCrashed
+      deadline: WorkerTimeout + the stacks
+    decode rank 0's result -> per-rank Outcomes -> runner: outcome.judge
 
 Segments: the runner's input ledger and rank 0's result ledger
 (:mod:`reactor_dist.ledger`); releases and retirements ride on the next message
-the other way (Field.RELEASED / Field.RETIRED).
+the other way (RELEASED / RETIRED).
 """
 
 from __future__ import annotations
@@ -74,6 +68,11 @@ class PendingCall:
         self.items: collections.deque[Any] = collections.deque()
         self.abandoned = False  # left early: its items go back unread
         self.generator = False  # rank 0's generate() was a generator (known at the end)
+
+    def abandon(self) -> None:
+        """Nobody takes the items any more: the ones kept go, later ones come back unread."""
+        self.abandoned = True
+        self.items.clear()
 
 
 class Undecodable(NamedTuple):
@@ -252,33 +251,38 @@ class Transport:
     def collect(self, pending: PendingCall, until_item: bool = False) -> None:
         """Wait for every rank's REPLY to ``pending`` (or, ``until_item``, for rank 0's next
         ITEM); WorkerCrashed on a death notice, WorkerTimeout when ``pending.timeout``
-        passes without a reply or an item.  Items are decoded as they come, unless the
-        call was abandoned (then their segments go back unread)."""
-        seq, replies, items = pending.seq, pending.replies, pending.items
+        passes without a reply or an item."""
         timeout = pending.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        while len(replies) < self.world_size:
-            header, body = self.wait(deadline, pending.what, replies, timeout)
-            if header is None:
-                continue
-            kind, rank = header[Field.KIND], header[Field.RANK]
-            if kind == Kind.REPLY and header[Field.SEQ] == seq:
-                if rank not in replies:
-                    replies[rank] = (header, body)
-            elif kind == Kind.ITEM and header[Field.SEQ] == seq and rank == 0:
-                if pending.abandoned:
-                    self.results.release(segments_of(header.get(Field.DESCRIPTORS)))
-                    continue
-                items.append(self.decode_item(header, body))
+        while len(pending.replies) < self.world_size:
+            header, body = self.wait(deadline, pending.what, pending.replies, timeout)
+            if header is not None and self.take(pending, header, body):
                 if until_item:
                     return
                 if timeout is not None:  # the timeout bounds the wait for each item
                     deadline = time.monotonic() + timeout
-            elif kind == Kind.DEATH:
-                raise self.crashed(self.ranks.dead() or [rank], pending.what)
-            elif kind in (Kind.REPLY, Kind.ITEM):
-                # Of an older (interrupted) call: hand its segments back.
+
+    def take(self, pending: PendingCall, header: dict[str, Any], body: list) -> bool:
+        """Apply one message to ``pending``; True when it brought one of its items.  Items
+        are decoded as they come, unless the call was abandoned (then their segments go
+        back unread); a death notice raises WorkerCrashed."""
+        kind, rank = header[Field.KIND], header[Field.RANK]
+        if kind == Kind.REPLY and header[Field.SEQ] == pending.seq:
+            if rank not in pending.replies:
+                pending.replies[rank] = (header, body)
+        elif kind == Kind.ITEM and header[Field.SEQ] == pending.seq and rank == 0:
+            if pending.abandoned:
                 self.results.release(segments_of(header.get(Field.DESCRIPTORS)))
+            else:
+                pending.items.append(self.decode_item(header, body))
+            return True
+        elif kind == Kind.DEATH:
+            assert self.ranks is not None
+            raise self.crashed(self.ranks.dead() or [rank], pending.what)
+        elif kind in (Kind.REPLY, Kind.ITEM):
+            # Of an older (interrupted) call: hand its segments back.
+            self.results.release(segments_of(header.get(Field.DESCRIPTORS)))
+        return False
 
     def decode_item(self, header: dict[str, Any], body: list) -> Any:
         try:
@@ -304,6 +308,10 @@ class Transport:
                 silent = [r for r in range(self.world_size) if r not in replies]
                 raise self.timed_out(silent, timeout, what, replies)
             return None, None
+        return self.arrived(message)
+
+    def arrived(self, message: tuple[dict, list]) -> tuple[dict, list]:
+        """Apply the ledger fields that any message may carry."""
         header = message[0]
         if Field.RELEASED in header or Field.RETIRED in header:
             self._apply_ledger_fields(header)
@@ -340,10 +348,7 @@ class Transport:
     def finish(self, pending: PendingCall) -> list[Outcome]:
         """Wait for the end of an abandoned call, its remaining items handed back unread
         (the next call must not start while the ranks still run this step)."""
-        pending.abandoned = True
-        while pending.items:
-            item = pending.items.popleft()
-            del item
+        pending.abandon()
         self.collect(pending)
         return self.outcomes(pending)
 
