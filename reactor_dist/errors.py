@@ -16,23 +16,44 @@ import traceback
 from .protocol import ErrorRecord
 
 
-class WorkerCrashed(RuntimeError):
+class ReactorDistError(Exception):
+    """The base of every exception reactor_dist raises itself: ``except ReactorDistError``
+    catches any runner failure.  Each subclass also keeps its standard base (RuntimeError,
+    TimeoutError, MemoryError), so older ``except`` clauses still catch it."""
+
+
+class WorkerCrashed(ReactorDistError, RuntimeError):
     """A rank process died (exit, signal, OOM kill). The runner is unusable."""
 
 
-class WorkerTimeout(TimeoutError):
-    """Some ranks did not answer within the timeout. The runner is unusable."""
+class WorkerTimeout(ReactorDistError, TimeoutError):
+    """Some ranks did not answer within the timeout. The runner is unusable.
+
+    When other ranks raised meanwhile, ``rank_errors`` maps each of them to its
+    exception (the first is ``__cause__``); else it is empty.  A TimeoutError is an
+    OSError: catch ReactorDistError (or WorkerTimeout) before a broad ``except OSError``."""
+
+    rank_errors: dict[int, BaseException] = {}  # replaced per instance
 
 
-class RankDesync(RuntimeError):
-    """Ranks disagreed on the outcome of one call. The runner is unusable."""
+class RankDesync(ReactorDistError, RuntimeError):
+    """Ranks disagreed on the outcome of one call. The runner is unusable.
+
+    ``rank_errors`` maps each rank that raised to its exception."""
+
+    rank_errors: dict[int, BaseException] = {}  # replaced per instance
 
 
-class SharedSlotAllocationFailed(MemoryError):
+class SharedSlotAllocationFailed(ReactorDistError, MemoryError):
     """/dev/shm cannot hold a payload. Nothing was sent; the runner stays healthy."""
 
 
-class RemoteError(RuntimeError):
+class MainGuardMissing(ReactorDistError, RuntimeError):
+    """A rank re-ran the user's script and reached a DistributedRunner: the script
+    lacks ``if __name__ == "__main__":``.  start() raises it in the caller."""
+
+
+class RemoteError(ReactorDistError, RuntimeError):
     """Stands in for a rank's exception that could not cross the process boundary."""
 
     def __init__(self, type_name: str, message: str, traceback_text: str) -> None:

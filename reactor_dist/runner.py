@@ -27,7 +27,13 @@ from .outcome import judge
 from .protocol import Method
 from .shm import DEFAULT_DIR
 from .transport import Transport
-from .validation import check_load_kwargs, check_methods, check_world_size, locate
+from .validation import (
+    check_load_kwargs,
+    check_methods,
+    check_not_rerunning_main,
+    check_world_size,
+    locate,
+)
 
 NEW, READY, UNUSABLE, CLOSED = "new", "ready", "unusable", "closed"
 
@@ -71,6 +77,7 @@ class DistributedRunner:
                  env: dict[str, str] | None = None, launch_prefix: Sequence[str] = (),
                  shm_dir: str = DEFAULT_DIR, keep_free_segments: int = 2,
                  shutdown_grace: float = 5.0) -> None:
+        check_not_rerunning_main()  # a rank re-running a script without its __main__ guard
         self._world_size = check_world_size(world_size)
         check_methods(worker_cls)
         where = locate(worker_cls)
@@ -138,6 +145,20 @@ class DistributedRunner:
         """Run ``reset()`` on every rank (clear session state, keep weights)."""
         self._call(Method.RESET, None, timeout)
 
+    def wait_idle(self, timeout: float | None | EllipsisType = ...) -> bool:
+        """Wait until the ranks finished every interrupted call (Ctrl-C during a call
+        leaves them running it): True once idle, False when ``timeout`` (default
+        ``call_timeout``, None: no limit) ran out first; the runner stays usable either way."""
+        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
+        with self._lock:
+            if self._state[0] != READY:
+                self._check_usable()  # raises
+            try:
+                return self._transport.wait_idle(timeout)
+            except WorkerCrashed as exc:
+                self._break(exc)
+                raise
+
     def shutdown(self) -> None:
         """End every rank and remove every file. Idempotent; also runs at exit."""
         with self._lock:
@@ -164,7 +185,8 @@ class DistributedRunner:
             try:
                 outcomes = self._transport.call(method, value, timeout)
             except (WorkerCrashed, WorkerTimeout) as exc:
-                raise self._break(exc) from None
+                self._break(exc)
+                raise  # keeps its __cause__: a rank's exception behind a timeout
             verdict = judge(method, outcomes)
             if verdict.error is None:
                 return verdict.value

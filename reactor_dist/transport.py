@@ -41,7 +41,13 @@ import zmq
 
 from . import shm, transfer
 from .bus import Bus
-from .errors import WorkerCrashed, WorkerTimeout, rebuild_exception, type_name
+from .errors import (
+    MainGuardMissing,
+    WorkerCrashed,
+    WorkerTimeout,
+    rebuild_exception,
+    type_name,
+)
 from .ledger import Ledger, Mapped
 from .outcome import RETURNED, Outcome
 from .processes import Ranks
@@ -112,6 +118,10 @@ class Transport:
         self.shutdown_grace = shutdown_grace
         self.owner_pid = os.getpid()  # a forked child must never tear down our ranks
         self.seq = 0
+        # Ranks that have not answered an interrupted call (Ctrl-C while waiting): rank ->
+        # the last call it answered.  Its next answers are late ones; see wait_idle().
+        self.owing: dict[int, int] = {}
+        self.interrupted = 0  # the latest call whose wait was interrupted
         self.inputs = Ledger(shm_dir, self.shm_prefix, "in", keep_free=keep_free)
         self.results = Mapped(lambda name: shm.Segment.open(shm_dir, name), self._ours)
         self.bus: Bus | None = None
@@ -151,8 +161,11 @@ class Transport:
                              first_error=True, stated_timeout=timeout)
         for rank, (header, body) in ready.items():
             if header.get(Field.STATUS) == Status.RAISED:
-                raise rebuild_exception(ErrorRecord.parse(header.get(Field.ERROR)),
+                exc = rebuild_exception(ErrorRecord.parse(header.get(Field.ERROR)),
                                         body[0] if body else None, rank)
+                if isinstance(exc, MainGuardMissing):
+                    raise exc from None  # its own message says all; the rank's stack is noise
+                raise exc
 
     def _spawn(self, rank: int, master_port: int) -> None:
         env = dict(os.environ)
@@ -216,8 +229,57 @@ class Transport:
         if retired:
             header[Field.RETIRED] = retired
         self.bus.publish(header, body)
-        replies = self.collect(Kind.REPLY, seq, timeout, f"{method}() (call {seq})")
+        replies: Replies = {}
+        try:
+            self.collect(Kind.REPLY, seq, timeout, f"{method}() (call {seq})", replies=replies)
+        except (WorkerCrashed, WorkerTimeout):
+            raise
+        except BaseException:  # interrupted (Ctrl-C): the ranks still run this call
+            self.interrupted = seq
+            for rank in range(self.world_size):
+                if rank in replies:
+                    self.owing.pop(rank, None)
+                else:
+                    self.owing.setdefault(rank, seq - 1)
+            raise
+        if self.owing:
+            self.owing.clear()  # every rank answered this call, so every earlier one
         return self.outcomes(method, replies)
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        """Until every rank answered every interrupted call: True, or False at the
+        deadline (nothing else changes).  WorkerCrashed when a rank dies meanwhile."""
+        assert self.bus is not None and self.ranks is not None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.owing:
+            if deadline is None:
+                wait_ms = -1
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                wait_ms = int(left * 1000) + 1
+            message = self.bus.receive(wait_ms)
+            if message is None:
+                continue
+            header = message[0]
+            if Field.RELEASED in header or Field.RETIRED in header:
+                self._apply_ledger_fields(header)
+            if header[Field.KIND] == Kind.DEATH:
+                raise self.crashed(self.ranks.dead() or [header[Field.RANK]], "wait_idle()")
+            if header[Field.KIND] == Kind.REPLY:
+                self._late_reply(header)
+        return True
+
+    def _late_reply(self, header: dict[str, Any]) -> None:
+        """The answer to an older (interrupted) call: hand its segments back, and note
+        that its rank has finished that call."""
+        self.results.release(segments_of(header.get(Field.DESCRIPTORS)))
+        rank, seq = header[Field.RANK], header[Field.SEQ]
+        if rank in self.owing and isinstance(seq, int):
+            self.owing[rank] = max(self.owing[rank], seq)
+            if self.owing[rank] >= self.interrupted:
+                del self.owing[rank]
 
     def outcomes(self, method: str, replies: Replies) -> list[Outcome]:
         """Every rank's Outcome; rank 0's result is decoded only when every rank returned
@@ -252,17 +314,19 @@ class Transport:
 
     def collect(self, kind: str, seq: int, timeout: float | None, what: str,
                 ping: Callable[[], None] | None = None, first_error: bool = False,
-                stated_timeout: float | None = None) -> Replies:
+                stated_timeout: float | None = None, replies: Replies | None = None) -> Replies:
         """Wait for ``kind``/``seq`` from every rank; WorkerCrashed on a death notice,
         WorkerTimeout at the deadline.  With ``first_error`` a Status.RAISED answer ends the
         wait at once (start-up: a failed load() makes the rest pointless); ``ping`` is
-        repeated every PING_EVERY while waiting.
+        repeated every PING_EVERY while waiting; ``replies`` (filled in place) shows an
+        interrupted caller who answered.
 
         This loop is most of what an empty call costs the caller, so it stays lean:
         one blocking receive per message, which the death watch's notice also wakes."""
         assert self.bus is not None and self.ranks is not None
         receive = self.bus.receive
-        replies: Replies = {}
+        if replies is None:
+            replies = {}
         deadline = None if timeout is None else time.monotonic() + timeout
         while len(replies) < self.world_size:
             if ping is not None:
@@ -287,8 +351,7 @@ class Transport:
                 elif header[Field.KIND] == Kind.DEATH:
                     raise self.crashed(self.ranks.dead() or [header[Field.RANK]], what)
                 elif header[Field.KIND] == Kind.REPLY and header[Field.SEQ] != seq:
-                    # The answer to an older (interrupted) call: hand its segments back.
-                    self.results.release(segments_of(header.get(Field.DESCRIPTORS)))
+                    self._late_reply(header)
             if deadline is not None and len(replies) < self.world_size and \
                     time.monotonic() >= deadline:
                 silent = [r for r in range(self.world_size) if r not in replies]
@@ -315,14 +378,37 @@ class Transport:
 
     def timed_out(self, silent: list[int], timeout: float | None, what: str,
                   replies: Replies) -> WorkerTimeout:
+        """The WorkerTimeout of the silent ranks, with their stacks; the exceptions of the
+        ranks that raised meanwhile ride along (``rank_errors``, the first as ``__cause__``):
+        the silent ranks are most likely waiting for them in a collective."""
         assert self.ranks is not None
-        raised = [f"rank {r} raised {ErrorRecord.parse(h.get(Field.ERROR)).type}"
-                  for r, (h, _) in sorted(replies.items()) if h.get(Field.STATUS) == Status.RAISED]
-        note = f" ({'; '.join(raised)}: the silent ranks may wait for it in a collective)" \
-            if raised else ""
-        return WorkerTimeout(
+        errors: dict[int, BaseException] = {}
+        raised, tracebacks = [], []
+        for rank, (header, body) in sorted(replies.items()):
+            if header.get(Field.STATUS) == Status.RAISED:
+                record = ErrorRecord.parse(header.get(Field.ERROR))
+                errors[rank] = rebuild_exception(record, (body[0] if body else b"") or None, rank)
+                raised.append(f"rank {rank} raised {record.type}: {record.message}")
+                tracebacks.append(f"[rank {rank}] remote traceback:\n{record.traceback.rstrip()}")
+        note = ""
+        owing = sorted(r for r in silent if r in self.owing)
+        if owing:
+            note += (f" (the ranks are still running the interrupted call "
+                     f"{self.owing[owing[0]] + 1}"
+                     f": rank {', '.join(map(str, owing))} never answered it, and a rank runs "
+                     f"one call at a time; runner.wait_idle() waits for that)")
+        if raised:
+            note += (f" ({'; '.join(raised)}: the silent ranks are probably waiting for it in "
+                     f"a collective)")
+        exc = WorkerTimeout(
             f"no answer from rank {', '.join(map(str, silent))} within {timeout:g} s "
-            f"during {what}{note}; their stacks:\n{self.ranks.stacks(silent)}")
+            f"during {what}{note}; the runner is unusable\n" +
+            "".join(f"{tb}\n" for tb in tracebacks) +
+            f"the silent ranks' stacks:\n{self.ranks.stacks(silent)}")
+        exc.rank_errors = errors
+        if errors:
+            exc.__cause__ = next(iter(errors.values()))
+        return exc
 
     # -- end -----------------------------------------------------------------------------
     def close(self, graceful: bool) -> None:
