@@ -121,3 +121,30 @@ def rebuild_exception(info: ErrorRecord, data: bytes | None, rank: int) -> BaseE
     exc.__cause__ = RemoteTraceback(f"\n[rank {rank}] remote traceback:\n{info.traceback}")
     exc.remote_rank = rank  # type: ignore[attr-defined]
     return exc
+
+
+def timeout_error(headline: str, raised: dict[int, tuple[ErrorRecord, bytes | None]],
+                  interrupted: tuple[int, list[int]] | None, stacks: str) -> WorkerTimeout:
+    """A WorkerTimeout whose text and attributes keep what the other ranks did: each
+    rank that raised meanwhile (``rank_errors``, the first as ``__cause__``, its message
+    and remote traceback in the text), and ranks still running an interrupted call."""
+    errors = {rank: rebuild_exception(record, data, rank)
+              for rank, (record, data) in raised.items()}
+    note = ""
+    if interrupted is not None:
+        seq, ranks = interrupted
+        note += (f" (the ranks are still running the interrupted call {seq}: rank "
+                 f"{', '.join(map(str, ranks))} never answered it, and a rank runs one call "
+                 f"at a time; runner.wait_idle() waits for that)")
+    if raised:
+        said = "; ".join(f"rank {r} raised {rec.type}: {rec.message}"
+                         for r, (rec, _) in raised.items())
+        note += f" ({said}: the silent ranks are probably waiting for it in a collective)"
+    tracebacks = "".join(f"[rank {r}] remote traceback:\n{rec.traceback.rstrip()}\n"
+                         for r, (rec, _) in raised.items())
+    exc = WorkerTimeout(f"{headline}{note}; the runner is unusable\n{tracebacks}"
+                        f"the silent ranks' stacks:\n{stacks}")
+    exc.rank_errors = errors
+    if errors:
+        exc.__cause__ = next(iter(errors.values()))
+    return exc

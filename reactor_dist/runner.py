@@ -15,6 +15,7 @@ shared memory) and one :func:`~reactor_dist.outcome.judge` (the error contract).
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import weakref
@@ -36,6 +37,8 @@ from .validation import (
 )
 
 NEW, READY, UNUSABLE, CLOSED = "new", "ready", "unusable", "closed"
+log = logging.getLogger("reactor_dist")
+_warned_auto_cpu = False
 
 
 def _check_timeout(name: str, value: Any) -> float | None:
@@ -92,6 +95,7 @@ class DistributedRunner:
                 raise ValueError(f"gpus={gpus} names {len(gpus)} GPUs for {world_size} ranks; "
                                  f"give one GPU per rank")
         env = {str(k): str(v) for k, v in (env or {}).items()}
+        self._gpus, self._device = gpus, device
         if where.module == "__main__":
             # Ranks define __main__'s classes as __mp_main__ (like multiprocessing): alias
             # it here so their pickles (results, exceptions) resolve in this process.
@@ -135,6 +139,20 @@ class DistributedRunner:
                 self._state[0] = CLOSED
                 raise
             self._state[0] = READY
+            self._warn_if_no_cuda()
+
+    def _warn_if_no_cuda(self) -> None:
+        """gpus= or device="auto" on a machine without CUDA: the ranks run on CPU."""
+        global _warned_auto_cpu
+        if "cpu" not in self._transport.devices:
+            return
+        if self._gpus is not None:
+            log.warning("gpus=%s was given, but the ranks see no CUDA device: they run on "
+                        "CPU (pass device=\"cuda\" to make that an error)", self._gpus)
+        elif self._device == "auto" and not _warned_auto_cpu:
+            _warned_auto_cpu = True  # once per process: CPU is a normal place to develop
+            log.warning("device=\"auto\" found no CUDA device: the ranks run on CPU "
+                        "(pass device=\"cpu\" to say so and silence this)")
 
     def generate(self, input: Any, /, *,
                  timeout: float | None | EllipsisType = ...) -> Any:

@@ -46,6 +46,7 @@ from .errors import (
     WorkerCrashed,
     WorkerTimeout,
     rebuild_exception,
+    timeout_error,
     type_name,
 )
 from .ledger import Ledger, Mapped
@@ -122,6 +123,7 @@ class Transport:
         # the last call it answered.  Its next answers are late ones; see wait_idle().
         self.owing: dict[int, int] = {}
         self.interrupted = 0  # the latest call whose wait was interrupted
+        self.devices: list[str] = []  # each rank's device, once started
         self.inputs = Ledger(shm_dir, self.shm_prefix, "in", keep_free=keep_free)
         self.results = Mapped(lambda name: shm.Segment.open(shm_dir, name), self._ours)
         self.bus: Bus | None = None
@@ -159,6 +161,7 @@ class Transport:
         bus.publish({Field.KIND: Kind.INIT, Field.SEQ: 0, Field.PORT: store_port})
         ready = self.collect(Kind.READY, 0, deadline - time.monotonic(), "start()",
                              first_error=True, stated_timeout=timeout)
+        self.devices = [str(ready[r][0].get(Field.DEVICE)) for r in sorted(ready)]
         for rank, (header, body) in ready.items():
             if header.get(Field.STATUS) == Status.RAISED:
                 exc = rebuild_exception(ErrorRecord.parse(header.get(Field.ERROR)),
@@ -249,31 +252,30 @@ class Transport:
     def wait_idle(self, timeout: float | None) -> bool:
         """Until every rank answered every interrupted call: True, or False at the
         deadline (nothing else changes).  WorkerCrashed when a rank dies meanwhile."""
-        assert self.bus is not None and self.ranks is not None
+        assert self.bus is not None
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.owing:
-            if deadline is None:
-                wait_ms = -1
-            else:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                wait_ms = int(left * 1000) + 1
-            message = self.bus.receive(wait_ms)
-            if message is None:
-                continue
-            header = message[0]
-            if Field.RELEASED in header or Field.RETIRED in header:
-                self._apply_ledger_fields(header)
-            if header[Field.KIND] == Kind.DEATH:
-                raise self.crashed(self.ranks.dead() or [header[Field.RANK]], "wait_idle()")
-            if header[Field.KIND] == Kind.REPLY:
-                self._late_reply(header)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            message = self.bus.receive(-1 if left is None else int(left * 1000) + 1)
+            if message is not None:
+                if Field.RELEASED in message[0] or Field.RETIRED in message[0]:
+                    self._apply_ledger_fields(message[0])
+                self._other(message[0], -1, "wait_idle()")
         return True
 
+    def _other(self, header: dict[str, Any], seq: int, what: str) -> None:
+        """A message that is not the awaited answer: a death notice (WorkerCrashed), or
+        the answer to an older (interrupted) call, whose segments are handed back."""
+        assert self.ranks is not None
+        if header[Field.KIND] == Kind.DEATH:
+            raise self.crashed(self.ranks.dead() or [header[Field.RANK]], what)
+        if header[Field.KIND] == Kind.REPLY and header[Field.SEQ] != seq:
+            self._late_reply(header)
+
     def _late_reply(self, header: dict[str, Any]) -> None:
-        """The answer to an older (interrupted) call: hand its segments back, and note
-        that its rank has finished that call."""
+        """Hand a late answer's segments back; its rank has finished that call."""
         self.results.release(segments_of(header.get(Field.DESCRIPTORS)))
         rank, seq = header[Field.RANK], header[Field.SEQ]
         if rank in self.owing and isinstance(seq, int):
@@ -348,10 +350,8 @@ class Transport:
                     replies[rank] = message
                     if first_error and header.get(Field.STATUS) == Status.RAISED:
                         return {rank: message}
-                elif header[Field.KIND] == Kind.DEATH:
-                    raise self.crashed(self.ranks.dead() or [header[Field.RANK]], what)
-                elif header[Field.KIND] == Kind.REPLY and header[Field.SEQ] != seq:
-                    self._late_reply(header)
+                else:
+                    self._other(header, seq, what)
             if deadline is not None and len(replies) < self.world_size and \
                     time.monotonic() >= deadline:
                 silent = [r for r in range(self.world_size) if r not in replies]
@@ -378,37 +378,19 @@ class Transport:
 
     def timed_out(self, silent: list[int], timeout: float | None, what: str,
                   replies: Replies) -> WorkerTimeout:
-        """The WorkerTimeout of the silent ranks, with their stacks; the exceptions of the
-        ranks that raised meanwhile ride along (``rank_errors``, the first as ``__cause__``):
-        the silent ranks are most likely waiting for them in a collective."""
+        """The WorkerTimeout of the silent ranks, with their stacks, and with the
+        exceptions of the ranks that raised meanwhile (errors.timeout_error)."""
         assert self.ranks is not None
-        errors: dict[int, BaseException] = {}
-        raised, tracebacks = [], []
+        raised = {}
         for rank, (header, body) in sorted(replies.items()):
             if header.get(Field.STATUS) == Status.RAISED:
-                record = ErrorRecord.parse(header.get(Field.ERROR))
-                errors[rank] = rebuild_exception(record, (body[0] if body else b"") or None, rank)
-                raised.append(f"rank {rank} raised {record.type}: {record.message}")
-                tracebacks.append(f"[rank {rank}] remote traceback:\n{record.traceback.rstrip()}")
-        note = ""
+                raised[rank] = (ErrorRecord.parse(header.get(Field.ERROR)),
+                                (body[0] if body else b"") or None)
         owing = sorted(r for r in silent if r in self.owing)
-        if owing:
-            note += (f" (the ranks are still running the interrupted call "
-                     f"{self.owing[owing[0]] + 1}"
-                     f": rank {', '.join(map(str, owing))} never answered it, and a rank runs "
-                     f"one call at a time; runner.wait_idle() waits for that)")
-        if raised:
-            note += (f" ({'; '.join(raised)}: the silent ranks are probably waiting for it in "
-                     f"a collective)")
-        exc = WorkerTimeout(
-            f"no answer from rank {', '.join(map(str, silent))} within {timeout:g} s "
-            f"during {what}{note}; the runner is unusable\n" +
-            "".join(f"{tb}\n" for tb in tracebacks) +
-            f"the silent ranks' stacks:\n{self.ranks.stacks(silent)}")
-        exc.rank_errors = errors
-        if errors:
-            exc.__cause__ = next(iter(errors.values()))
-        return exc
+        interrupted = (self.owing[owing[0]] + 1, owing) if owing else None
+        return timeout_error(f"no answer from rank {', '.join(map(str, silent))} within "
+                             f"{timeout:g} s during {what}", raised, interrupted,
+                             self.ranks.stacks(silent))
 
     # -- end -----------------------------------------------------------------------------
     def close(self, graceful: bool) -> None:
