@@ -2,7 +2,11 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-TORCH_PIN := torch==2.13.0
+# What `pip install` gets when the environment has no torch yet. By default the pinned
+# version from the configured index: on Linux x86-64 PyPI serves the CUDA build, while a
+# local wheel cache or mirror that holds the CPU build gives that one. Choose on purpose,
+# e.g. make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: venv test test-slow demo bench bench-quick bench-per-call gpu-check lint clean
 
@@ -11,8 +15,8 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# A bare `torch` would pull a multi-GB CUDA build: take the pinned build when none is present.
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIN)
+	# A torch already in the environment is kept; else TORCH_SPEC (see above).
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 

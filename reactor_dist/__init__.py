@@ -7,22 +7,29 @@ as the exceptions below (never as a hang).
 """
 
 from .errors import (
+    MainGuardMissing,
     RankDesync,
+    ReactorDistError,
     RemoteError,
+    RemoteTraceback,
     SharedSlotAllocationFailed,
     WorkerCrashed,
     WorkerTimeout,
 )
 from .runner import DistributedRunner
-from .worker import DistributedWorker
+from .worker import DistributedWorker, share_cpu_cores
 
 __all__ = [
     "DistributedRunner",
     "DistributedWorker",
+    "MainGuardMissing",
     "RankDesync",
+    "ReactorDistError",
     "RemoteError",
+    "RemoteTraceback",
     "SharedSlotAllocationFailed",
     "WorkerCrashed",
     "WorkerTimeout",
+    "share_cpu_cores",
 ]
 __version__ = "0.1.0"

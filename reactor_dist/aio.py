@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from .calls import ENDED, PendingCall
 from .errors import WorkerCrashed, WorkerTimeout
 from .outcome import judge
 from .protocol import Method
-from .transport import ENDED, PendingCall, Transport
+from .transport import Transport
 
 if TYPE_CHECKING:
     from .runner import DistributedRunner
@@ -149,7 +150,8 @@ class Turn:
             try:
                 await collect(transport, abandoned)
             except (WorkerCrashed, WorkerTimeout) as exc:
-                raise runner._break(exc) from None
+                runner._break(exc)
+                raise  # keeps its __cause__
             verdict = judge(abandoned.method, transport.outcomes(abandoned))
             if verdict.breaks:
                 raise runner._break(verdict.error)
@@ -162,7 +164,8 @@ async def call(runner: DistributedRunner, method: str, value: Any,
         try:
             await collect(runner._transport, pending)
         except (WorkerCrashed, WorkerTimeout) as exc:
-            raise runner._break(exc) from None
+            runner._break(exc)
+            raise  # keeps its __cause__
         verdict = judge(method, runner._transport.outcomes(pending))
     if verdict.error is None:
         return verdict.value
@@ -214,7 +217,8 @@ class AsyncStream:
             item = transport.next_item(pending)  # never waits now
         except (WorkerCrashed, WorkerTimeout) as exc:
             self._end()
-            raise runner._break(exc) from None
+            runner._break(exc)
+            raise  # keeps its __cause__
         except (asyncio.CancelledError, KeyboardInterrupt):
             self._end()  # like a Ctrl-C: the late messages are discarded
             raise

@@ -16,23 +16,44 @@ import traceback
 from .protocol import ErrorRecord
 
 
-class WorkerCrashed(RuntimeError):
+class ReactorDistError(Exception):
+    """The base of every exception reactor_dist raises itself: ``except ReactorDistError``
+    catches any runner failure.  Each subclass also keeps its standard base (RuntimeError,
+    TimeoutError, MemoryError), so older ``except`` clauses still catch it."""
+
+
+class WorkerCrashed(ReactorDistError, RuntimeError):
     """A rank process died (exit, signal, OOM kill). The runner is unusable."""
 
 
-class WorkerTimeout(TimeoutError):
-    """Some ranks did not answer within the timeout. The runner is unusable."""
+class WorkerTimeout(ReactorDistError, TimeoutError):
+    """Some ranks did not answer within the timeout. The runner is unusable.
+
+    When other ranks raised meanwhile, ``rank_errors`` maps each of them to its
+    exception (the first is ``__cause__``); else it is empty.  A TimeoutError is an
+    OSError: catch ReactorDistError (or WorkerTimeout) before a broad ``except OSError``."""
+
+    rank_errors: dict[int, BaseException] = {}  # replaced per instance
 
 
-class RankDesync(RuntimeError):
-    """Ranks disagreed on the outcome of one call. The runner is unusable."""
+class RankDesync(ReactorDistError, RuntimeError):
+    """Ranks disagreed on the outcome of one call. The runner is unusable.
+
+    ``rank_errors`` maps each rank that raised to its exception."""
+
+    rank_errors: dict[int, BaseException] = {}  # replaced per instance
 
 
-class SharedSlotAllocationFailed(MemoryError):
+class SharedSlotAllocationFailed(ReactorDistError, MemoryError):
     """/dev/shm cannot hold a payload. Nothing was sent; the runner stays healthy."""
 
 
-class RemoteError(RuntimeError):
+class MainGuardMissing(ReactorDistError, RuntimeError):
+    """A rank re-ran the user's script and reached a DistributedRunner: the script
+    lacks ``if __name__ == "__main__":``.  start() raises it in the caller."""
+
+
+class RemoteError(ReactorDistError, RuntimeError):
     """Stands in for a rank's exception that could not cross the process boundary."""
 
     def __init__(self, type_name: str, message: str, traceback_text: str) -> None:
@@ -99,4 +120,31 @@ def rebuild_exception(info: ErrorRecord, data: bytes | None, rank: int) -> BaseE
         exc = RemoteError(info.type, info.message, info.traceback)
     exc.__cause__ = RemoteTraceback(f"\n[rank {rank}] remote traceback:\n{info.traceback}")
     exc.remote_rank = rank  # type: ignore[attr-defined]
+    return exc
+
+
+def timeout_error(headline: str, raised: dict[int, tuple[ErrorRecord, bytes | None]],
+                  interrupted: tuple[int, list[int]] | None, stacks: str) -> WorkerTimeout:
+    """A WorkerTimeout whose text and attributes keep what the other ranks did: each
+    rank that raised meanwhile (``rank_errors``, the first as ``__cause__``, its message
+    and remote traceback in the text), and ranks still running an interrupted call."""
+    errors = {rank: rebuild_exception(record, data, rank)
+              for rank, (record, data) in raised.items()}
+    note = ""
+    if interrupted is not None:
+        seq, ranks = interrupted
+        note += (f" (the ranks are still running the interrupted call {seq}: rank "
+                 f"{', '.join(map(str, ranks))} never answered it, and a rank runs one call "
+                 f"at a time; runner.wait_idle() waits for that)")
+    if raised:
+        said = "; ".join(f"rank {r} raised {rec.type}: {rec.message}"
+                         for r, (rec, _) in raised.items())
+        note += f" ({said}: the silent ranks are probably waiting for it in a collective)"
+    tracebacks = "".join(f"[rank {r}] remote traceback:\n{rec.traceback.rstrip()}\n"
+                         for r, (rec, _) in raised.items())
+    exc = WorkerTimeout(f"{headline}{note}; the runner is unusable\n{tracebacks}"
+                        f"the silent ranks' stacks:\n{stacks}")
+    exc.rank_errors = errors
+    if errors:
+        exc.__cause__ = next(iter(errors.values()))
     return exc

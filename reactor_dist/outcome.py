@@ -37,6 +37,8 @@ class Outcome(NamedTuple):
 
 
 RETURNED = Outcome(Status.OK)
+# The end of every RankDesync's message.
+UNUSABLE = "; the runner is unusable: shut it down (and build a new one to go on)"
 
 
 class Verdict(NamedTuple):
@@ -63,13 +65,14 @@ def judge(method: str, outcomes: Sequence[Outcome]) -> Verdict:
         if len(set(types.values())) == 1:
             return Verdict(None, errors[0], False)
         named = ", ".join(f"rank {r} raised {t}" for r, t in types.items())
-        desync = RankDesync(f"ranks raised different exception types in {method}(): {named}")
+        desync = RankDesync(f"ranks raised different exception types in {method}(): {named}"
+                            f"{UNUSABLE}")
     else:
         first = next(iter(failed))
         returned = [r for r in range(world_size) if r not in failed]
         desync = RankDesync(
             f"rank {first} raised {failed[first].error_type} in {method}() while rank "
-            f"{', '.join(map(str, returned))} returned: the ranks are out of step")
+            f"{', '.join(map(str, returned))} returned: the ranks are out of step{UNUSABLE}")
     desync.__cause__ = next(iter(errors.values()))
     desync.rank_errors = errors  # type: ignore[attr-defined]
     return Verdict(None, desync, True)

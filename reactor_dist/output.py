@@ -28,6 +28,7 @@ class RankOutput:
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.lines_seen = 0
         self.last_output = 0.0  # monotonic time of the latest line
+        self.muted = False  # kept, not forwarded (a stack dump the caller's error shows)
         self._partial = b""
         self._lock = threading.Lock()
         self._fd = fd
@@ -72,6 +73,8 @@ class RankOutput:
         self.tail.append(line)
         self.lines_seen += 1
         self.last_output = time.monotonic()
+        if self.muted:
+            return
         try:
             sys.stderr.write(f"[rank {self.rank}] {line}\n")
             sys.stderr.flush()

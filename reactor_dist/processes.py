@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import select
 import signal
 import socket
@@ -218,10 +219,12 @@ class Ranks:
         return "\n".join(self.procs[r].crash_report() for r in dead)
 
     def stacks(self, silent: list[int]) -> str:
-        """Every thread's stack of each silent rank (faulthandler, on SIGUSR1)."""
+        """Every thread's stack of each silent rank (faulthandler, on SIGUSR1), shown in
+        the caller's error alone (not also forwarded), without the rank's own threads."""
         procs = [self.procs[r] for r in silent]
         seen = {p.rank: p.output.lines_seen for p in procs}
         for p in procs:
+            p.output.muted = True
             with contextlib.suppress(OSError):
                 os.kill(p.launcher_pid, signal.SIGUSR1)
         # Wait for the dumps: until each silent rank printed and then fell quiet.
@@ -231,9 +234,12 @@ class Ranks:
             if all(p.output.lines_seen > seen[p.rank] and
                    time.monotonic() - p.output.last_output > 0.03 for p in procs):
                 break
+        for p in procs:
+            p.output.muted = False
         return "\n".join(
             f"rank {p.rank} (pid {p.pid}), last output:\n" +
-            "\n".join(f"    {line}" for line in p.output.last_lines(30)) for p in procs)
+            "\n".join(f"    {line}" for line in without_own_threads(p.output.last_lines(30)))
+            for p in procs)
 
     def end(self, grace: float) -> None:
         """Wait up to ``grace`` for a graceful exit, then end every rank for sure."""
@@ -242,6 +248,24 @@ class Ranks:
             wait_all_exit(self.procs, grace)
         end_ranks(self.procs)
         self.procs = []
+
+# The first frame of a rank's own runner-watch thread (rank.watch_runner) in a dump.
+OWN_THREAD = re.compile(r'reactor_dist[/\\]rank\.py", line \d+ in wait$')
+
+
+def without_own_threads(lines: list[str]) -> list[str]:
+    """A faulthandler dump without the blocks of reactor_dist's own threads."""
+    kept: list[str] = []
+    block: list[str] = []
+    for line in [*lines, ""]:
+        if line.strip():
+            block.append(line)
+            continue
+        if not (len(block) > 1 and OWN_THREAD.search(block[1])):
+            kept += block + ([line] if block else [])
+        block = []
+    return kept[:-1] if kept and kept[-1] == "" else kept
+
 
 def wait_all_exit(ranks: list[RankProcess], timeout: float) -> bool:
     deadline = time.monotonic() + timeout

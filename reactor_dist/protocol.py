@@ -11,7 +11,8 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
     pong      <-   answer to each ping        PID (the rank's own pid), PORT (rank 0's
                                               rendezvous store, else 0)
     init      ->   once every rank ponged     PORT (rank 0's store port)
-    ready     <-   load() returned or raised  STATUS, ERROR
+    ready     <-   load() returned or raised  STATUS, ERROR, DEVICE (the rank's device,
+                                              e.g. "cpu" or "cuda:0", once chosen)
     call      ->   generate() / reset()       METHOD, DESCRIPTORS (input buffers),
                                               RELEASED (result segments the caller let
                                               go), RETIRED (input segments unlinked)
@@ -70,6 +71,7 @@ class Field:
     PORT = "port"
     INDEX = "i"
     ITEMS = "n"
+    DEVICE = "dev"
 
 
 class Kind:

@@ -184,7 +184,7 @@ class RankServer:
             port = header.get(Field.PORT) or 0
             if port:
                 os.environ["MASTER_PORT"] = str(port)
-            device = choose_device(self.boot.device, self.rank)
+            device = reply[Field.DEVICE] = choose_device(self.boot.device, self.rank)
             if self.boot.init_process_group and self.world_size > 1:
                 self.form_group(device, port)
             self.worker = self.boot_worker(device)

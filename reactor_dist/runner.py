@@ -16,6 +16,7 @@ shared memory) and one :func:`~reactor_dist.outcome.judge` (the error contract).
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import threading
 import weakref
@@ -24,15 +25,24 @@ from types import EllipsisType
 from typing import Any
 
 from . import aio
+from .calls import PendingCall
 from .errors import WorkerCrashed, WorkerTimeout
 from .outcome import judge
 from .protocol import Method
 from .shm import DEFAULT_DIR
 from .stream import Stream
-from .transport import PendingCall, Transport
-from .validation import check_load_kwargs, check_methods, check_world_size, locate
+from .transport import Transport
+from .validation import (
+    check_load_kwargs,
+    check_methods,
+    check_not_rerunning_main,
+    check_world_size,
+    locate,
+)
 
 NEW, READY, UNUSABLE, CLOSED = "new", "ready", "unusable", "closed"
+log = logging.getLogger("reactor_dist")
+_warned_auto_cpu = False
 
 
 def _check_timeout(name: str, value: Any) -> float | None:
@@ -74,6 +84,7 @@ class DistributedRunner:
                  env: dict[str, str] | None = None, launch_prefix: Sequence[str] = (),
                  shm_dir: str = DEFAULT_DIR, keep_free_segments: int = 2,
                  shutdown_grace: float = 5.0) -> None:
+        check_not_rerunning_main()  # a rank re-running a script without its __main__ guard
         self._world_size = check_world_size(world_size)
         check_methods(worker_cls)
         where = locate(worker_cls)
@@ -88,6 +99,7 @@ class DistributedRunner:
                 raise ValueError(f"gpus={gpus} names {len(gpus)} GPUs for {world_size} ranks; "
                                  f"give one GPU per rank")
         env = {str(k): str(v) for k, v in (env or {}).items()}
+        self._gpus, self._device = gpus, device
         if where.module == "__main__":
             # Ranks define __main__'s classes as __mp_main__ (like multiprocessing): alias
             # it here so their pickles (results, exceptions) resolve in this process.
@@ -138,6 +150,20 @@ class DistributedRunner:
                 self._state[0] = CLOSED
                 raise
             self._state[0] = READY
+            self._warn_if_no_cuda()
+
+    def _warn_if_no_cuda(self) -> None:
+        """gpus= or device="auto" on a machine without CUDA: the ranks run on CPU."""
+        global _warned_auto_cpu
+        if "cpu" not in self._transport.devices:
+            return
+        if self._gpus is not None:
+            log.warning("gpus=%s was given, but the ranks see no CUDA device: they run on "
+                        "CPU (pass device=\"cuda\" to make that an error)", self._gpus)
+        elif self._device == "auto" and not _warned_auto_cpu:
+            _warned_auto_cpu = True  # once per process: CPU is a normal place to develop
+            log.warning("device=\"auto\" found no CUDA device: the ranks run on CPU "
+                        "(pass device=\"cpu\" to say so and silence this)")
 
     def generate(self, input: Any, /, *,
                  timeout: float | None | EllipsisType = ...) -> Any:
@@ -159,6 +185,20 @@ class DistributedRunner:
     def reset(self, *, timeout: float | None | EllipsisType = ...) -> None:
         """Run ``reset()`` on every rank (clear session state, keep weights)."""
         self._call(Method.RESET, None, timeout)
+
+    def wait_idle(self, timeout: float | None | EllipsisType = ...) -> bool:
+        """Wait until the ranks finished every interrupted call (Ctrl-C during a call
+        leaves them running it): True once idle, False when ``timeout`` (default
+        ``call_timeout``, None: no limit) ran out first; the runner stays usable either way."""
+        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
+        with self._lock:
+            if self._state[0] != READY:
+                self._check_usable()  # raises
+            try:
+                return self._transport.wait_idle(timeout)
+            except WorkerCrashed as exc:
+                self._break(exc)
+                raise
 
     # -- asyncio ------------------------------------------------------------------------------
     async def astart(self) -> None:
@@ -226,7 +266,8 @@ class DistributedRunner:
             try:
                 self._transport.collect(pending)
             except (WorkerCrashed, WorkerTimeout) as exc:
-                raise self._break(exc) from None
+                self._break(exc)
+                raise  # keeps its __cause__: a rank's exception behind a timeout
             verdict = judge(method, self._transport.outcomes(pending))
             if verdict.error is None:
                 return verdict.value
@@ -254,7 +295,8 @@ class DistributedRunner:
                 self._finish_abandoned()
             return self._transport.send(method, value, timeout)
         except (WorkerCrashed, WorkerTimeout) as exc:
-            raise self._break(exc) from None
+            self._break(exc)
+            raise  # keeps its __cause__
 
     def _finish_abandoned(self) -> None:
         """Wait for the end of a stream left early; its outcome only matters if the

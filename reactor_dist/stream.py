@@ -21,10 +21,10 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
+from .calls import ENDED, PendingCall
 from .errors import WorkerCrashed, WorkerTimeout
 from .outcome import judge
 from .protocol import Method
-from .transport import ENDED, PendingCall
 
 if TYPE_CHECKING:
     from .runner import DistributedRunner
@@ -53,7 +53,8 @@ class Stream:
                 item = transport.next_item(pending)
             except (WorkerCrashed, WorkerTimeout) as exc:
                 self._end()
-                raise runner._break(exc) from None
+                runner._break(exc)
+                raise  # keeps its __cause__
             except KeyboardInterrupt:
                 self._end()  # like generate(): the late messages are discarded
                 raise

@@ -1,25 +1,14 @@
-"""The runner's side of one call: encode, publish, collect, decode.
+"""The runner's side of the ranks: start them, report their failures, end them.
 
-Data flow of one ``generate(x)`` (rank side: :mod:`reactor_dist.rank`)::
-
-    caller thread                                rank r (x world_size)
-    encode x (big buffers: 1 copy into an
-      input segment); Bus.publish CALL ------->  verify, map input, generate()
-    Bus.receive <------------------------------  REPLY (status, error); rank 0 adds its
-      ITEMs of this call: decoded, kept          result, or first one ITEM per yielded
-      an older call's: segments released         item (big buffers in result segments)
-      DEATH (death watch): WorkerCrashed
-      deadline: WorkerTimeout + the stacks
-    decode rank 0's result -> per-rank Outcomes -> runner: outcome.judge
-
-Segments: the runner's input ledger and rank 0's result ledger
-(:mod:`reactor_dist.ledger`); releases and retirements ride on the next message
-the other way (RELEASED / RETIRED).
+:meth:`Transport.start` spawns every rank (:mod:`reactor_dist.processes`), binds the
+bus (:mod:`reactor_dist.bus`), handshakes and waits for every ``load()``;
+:meth:`Transport.close` ends them and removes every file.  What happens once per
+call is :class:`reactor_dist.calls.CallPath`, which Transport extends; the data
+flow of one call is drawn in docs/design.md and in :mod:`reactor_dist.calls`.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import pickle
@@ -27,15 +16,21 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import zmq
 
-from . import shm, transfer
+from . import shm
 from .bus import Bus, private_dir, reclaim_dead_ipc_dirs
-from .errors import WorkerCrashed, WorkerTimeout, rebuild_exception, type_name
+from .calls import CallPath, Replies
+from .errors import (
+    MainGuardMissing,
+    WorkerCrashed,
+    WorkerTimeout,
+    rebuild_exception,
+    timeout_error,
+)
 from .ledger import Ledger, Mapped
-from .outcome import RETURNED, Outcome
 from .processes import Ranks, free_port
 from .protocol import (
     SECRET_SIZE,
@@ -43,45 +38,14 @@ from .protocol import (
     ErrorRecord,
     Field,
     Kind,
-    Method,
     Status,
     WorkerRef,
-    segments_of,
 )
 
 PING_EVERY = 0.02  # handshake: until every rank answered (PUB/SUB's slow joiner)
-Replies = dict[int, tuple[dict, list]]
-ENDED = object()  # next_item(): every rank answered, no item is left
 
 
-class PendingCall:
-    """One call the ranks are running: its replies so far and rank 0's items not yet
-    taken (a stream's, or a generate() of a generator worker's)."""
-
-    __slots__ = ("seq", "method", "timeout", "what", "replies", "items", "abandoned",
-                 "generator")
-
-    def __init__(self, seq: int, method: str, timeout: float | None) -> None:
-        self.seq, self.method, self.timeout = seq, method, timeout
-        self.what = f"{method}() (call {seq})"
-        self.replies: Replies = {}
-        self.items: collections.deque[Any] = collections.deque()
-        self.abandoned = False  # left early: its items go back unread
-        self.generator = False  # rank 0's generate() was a generator (known at the end)
-
-    def abandon(self) -> None:
-        """Nobody takes the items any more: the ones kept go, later ones come back unread."""
-        self.abandoned = True
-        self.items.clear()
-
-
-class Undecodable(NamedTuple):
-    """An item that did not unpickle in the caller (raised where it is taken)."""
-
-    error: Exception
-
-
-class Transport:
+class Transport(CallPath):
     """Processes, bus and segments of one runner; raises the transport's errors
     (WorkerCrashed, WorkerTimeout) and judges nothing else."""
 
@@ -96,6 +60,11 @@ class Transport:
         self.shutdown_grace = shutdown_grace
         self.owner_pid = os.getpid()  # a forked child must never tear down our ranks
         self.seq = 0
+        # Ranks that have not answered an interrupted call (Ctrl-C while waiting): rank ->
+        # the last call it answered.  Its next answers are late ones; see wait_idle().
+        self.owing: dict[int, int] = {}
+        self.interrupted = 0  # the latest call whose wait was interrupted
+        self.devices: list[str] = []  # each rank's device, once started
         self.inputs = Ledger(shm_dir, self.shm_prefix, "in", keep_free=keep_free)
         self.results = Mapped(lambda name: shm.Segment.open(shm_dir, name), self._ours)
         self.bus: Bus | None = None
@@ -132,10 +101,14 @@ class Transport:
         bus.publish({Field.KIND: Kind.INIT, Field.SEQ: 0, Field.PORT: store_port})
         ready = self.handshake(Kind.READY, deadline - time.monotonic(), timeout,
                                first_error=True)
+        self.devices = [str(ready[r][0].get(Field.DEVICE)) for r in sorted(ready)]
         for rank, (header, body) in ready.items():
             if header.get(Field.STATUS) == Status.RAISED:
-                raise rebuild_exception(ErrorRecord.parse(header.get(Field.ERROR)),
+                exc = rebuild_exception(ErrorRecord.parse(header.get(Field.ERROR)),
                                         body[0] if body else None, rank)
+                if isinstance(exc, MainGuardMissing):
+                    raise exc from None  # its own message says all; the rank's stack is noise
+                raise exc
 
     def _spawn(self, rank: int, master_port: int) -> None:
         assert self.bus is not None and self.ranks is not None
@@ -149,173 +122,6 @@ class Transport:
             sys_path=list(sys.path))
         self.ranks.spawn(rank, boot.to_bytes(), master_port=master_port, env=self._env,
                          gpus=self._gpus, launch_prefix=self._launch_prefix)
-
-    # -- one call ------------------------------------------------------------------------
-    def call(self, method: str, value: Any, timeout: float | None) -> list[Outcome]:
-        """Run ``method(value)`` on every rank: one Outcome per rank, in rank order (a
-        generator worker's items, decoded as they came, are rank 0's value).
-
-        Raises before sending (TypeError: the input does not pickle;
-        SharedSlotAllocationFailed), or WorkerCrashed / WorkerTimeout."""
-        pending = self.send(method, value, timeout)
-        self.collect(pending)
-        return self.outcomes(pending)
-
-    def send(self, method: str, value: Any, timeout: float | None) -> PendingCall:
-        """Publish one call; raises (having sent nothing) when it can't."""
-        assert self.ranks is not None and self.bus is not None
-        if self.ranks.watch.fired:
-            dead = self.ranks.dead()
-            if dead:
-                raise self.crashed(dead, "an idle moment between calls")
-        header: dict[str, Any] = {Field.KIND: Kind.CALL, Field.METHOD: method}
-        body: list = [b""]
-        if method == Method.GENERATE:
-            try:
-                descriptors, body, _ = transfer.encode(
-                    value, self.inputs, "the input of generate()", holders=range(self.world_size))
-            except shm.SharedSlotAllocationFailed:
-                raise
-            except Exception as exc:
-                raise TypeError(
-                    f"the input of generate() cannot be pickled ({type(exc).__name__}: {exc}); "
-                    f"inputs must pickle: plain data, numpy arrays, CPU tensors, module-level "
-                    f"classes"
-                ) from exc
-            if descriptors:
-                header[Field.DESCRIPTORS] = descriptors
-        # From here on the command may have reached the ranks, even if publish() is
-        # interrupted: the sequence number, the segments and the releases count as sent
-        # (an interrupted call's segments stay held until shutdown rather than risk
-        # handing out memory a rank may still read).
-        self.seq = seq = self.seq + 1
-        header[Field.SEQ] = seq
-        released = self.results.take_released()
-        if released:
-            header[Field.RELEASED] = released
-        retired = self.inputs.take_retired()
-        if retired:
-            header[Field.RETIRED] = retired
-        self.bus.publish(header, body)
-        return PendingCall(seq, method, timeout)
-
-    def next_item(self, pending: PendingCall) -> Any:
-        """The next of rank 0's items (``ENDED`` once every rank answered); an item that
-        cannot be unpickled here is raised."""
-        while not pending.items:
-            if len(pending.replies) == self.world_size:
-                return ENDED
-            self.collect(pending, until_item=True)
-        item = pending.items.popleft()
-        if isinstance(item, Undecodable):
-            raise item.error
-        return item
-
-    def outcomes(self, pending: PendingCall) -> list[Outcome]:
-        """Every rank's Outcome; rank 0's result is decoded only when every rank returned
-        (else it is released unread: the call fails whatever it holds)."""
-        replies = pending.replies
-        if [h.get(Field.STATUS) for h, _ in replies.values()].count(Status.OK) == self.world_size:
-            first = RETURNED
-            if pending.method == Method.GENERATE:
-                header, body = replies[0]
-                try:
-                    pending.generator = Field.ITEMS in header
-                    if pending.generator:  # its items are the value
-                        value: Any = list(pending.items)
-                        undecodable = [i for i in value if isinstance(i, Undecodable)]
-                        if undecodable:
-                            raise undecodable[0].error
-                    else:
-                        value = transfer.decode(header.get(Field.DESCRIPTORS), body,
-                                                self.results.base)
-                    first = Outcome(Status.OK, value)
-                except Exception as exc:
-                    first = Outcome(Status.UNDELIVERABLE, None, exc, type_name(exc))
-            return [first] + [RETURNED] * (self.world_size - 1)
-        outcomes = []
-        for rank in range(self.world_size):
-            header, body = replies[rank]
-            status = header.get(Field.STATUS)
-            if status == Status.OK:
-                self.results.release(segments_of(header.get(Field.DESCRIPTORS)))
-                outcomes.append(RETURNED)
-                continue
-            record = ErrorRecord.parse(header.get(Field.ERROR))
-            error = rebuild_exception(record, (body[0] if body else b"") or None, rank)
-            if status != Status.UNDELIVERABLE:
-                status = Status.RAISED
-            outcomes.append(Outcome(status, None, error, record.type))
-        return outcomes
-
-    def collect(self, pending: PendingCall, until_item: bool = False) -> None:
-        """Wait for every rank's REPLY to ``pending`` (or, ``until_item``, for rank 0's next
-        ITEM); WorkerCrashed on a death notice, WorkerTimeout when ``pending.timeout``
-        passes without a reply or an item."""
-        timeout = pending.timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while len(pending.replies) < self.world_size:
-            header, body = self.wait(deadline, pending.what, pending.replies, timeout)
-            if header is not None and self.take(pending, header, body):
-                if until_item:
-                    return
-                if timeout is not None:  # the timeout bounds the wait for each item
-                    deadline = time.monotonic() + timeout
-
-    def take(self, pending: PendingCall, header: dict[str, Any], body: list) -> bool:
-        """Apply one message to ``pending``; True when it brought one of its items.  Items
-        are decoded as they come, unless the call was abandoned (then their segments go
-        back unread); a death notice raises WorkerCrashed."""
-        kind, rank = header[Field.KIND], header[Field.RANK]
-        if kind == Kind.REPLY and header[Field.SEQ] == pending.seq:
-            if rank not in pending.replies:
-                pending.replies[rank] = (header, body)
-        elif kind == Kind.ITEM and header[Field.SEQ] == pending.seq and rank == 0:
-            if pending.abandoned:
-                self.results.release(segments_of(header.get(Field.DESCRIPTORS)))
-            else:
-                pending.items.append(self.decode_item(header, body))
-            return True
-        elif kind == Kind.DEATH:
-            assert self.ranks is not None
-            raise self.crashed(self.ranks.dead() or [rank], pending.what)
-        elif kind in (Kind.REPLY, Kind.ITEM):
-            # Of an older (interrupted) call: hand its segments back.
-            self.results.release(segments_of(header.get(Field.DESCRIPTORS)))
-        return False
-
-    def decode_item(self, header: dict[str, Any], body: list) -> Any:
-        try:
-            return transfer.decode(header.get(Field.DESCRIPTORS), body, self.results.base)
-        except Exception as exc:
-            if hasattr(exc, "add_note"):  # Python 3.11+
-                exc.add_note(f"(while unpickling item {header.get(Field.INDEX)} of rank 0 in "
-                             f"the caller; the runner stays healthy)")
-            return Undecodable(exc)
-
-    def wait(self, deadline: float | None, what: str, replies: Replies,
-             timeout: float | None) -> tuple[Any, Any]:
-        """The next message for the runner, ``(None, None)`` when none came in time;
-        WorkerTimeout once ``deadline`` passed.  Applies the ledger fields every message
-        carries."""
-        assert self.bus is not None
-        if deadline is None:
-            message = self.bus.receive(-1)
-        else:
-            message = self.bus.receive(int(max(0.0, deadline - time.monotonic()) * 1000) + 1)
-        if message is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                silent = [r for r in range(self.world_size) if r not in replies]
-                raise self.timed_out(silent, timeout, what, replies)
-            return None, None
-        return self.arrived(message)
-
-    def arrived(self, message: tuple[dict, list]) -> tuple[dict, list]:
-        """Apply the ledger fields that any message may carry."""
-        header = message[0]
-        if Field.RELEASED in header or Field.RETIRED in header:
-            self._apply_ledger_fields(header)
-        return message
 
     def handshake(self, kind: str, timeout: float, stated_timeout: float,
                   ping: Callable[[], None] | None = None, first_error: bool = False) -> Replies:
@@ -345,21 +151,6 @@ class Transport:
                 raise self.crashed(self.ranks.dead() or [rank], "start()")
         return replies
 
-    def finish(self, pending: PendingCall) -> list[Outcome]:
-        """Wait for the end of an abandoned call, its remaining items handed back unread
-        (the next call must not start while the ranks still run this step)."""
-        pending.abandon()
-        self.collect(pending)
-        return self.outcomes(pending)
-
-    def _apply_ledger_fields(self, header: dict[str, Any]) -> None:
-        """A rank's Field.RELEASED input segments and rank 0's Field.RETIRED result segments."""
-        rank = header[Field.RANK]
-        for name in header.get(Field.RELEASED) or ():
-            if isinstance(name, str):
-                self.inputs.release(name, rank)
-        self.results.unmap(header.get(Field.RETIRED) or ())
-
     # -- failures ------------------------------------------------------------------------
     def dead(self) -> list[int]:
         """The ranks that have died (no system call while none has)."""
@@ -372,14 +163,19 @@ class Transport:
 
     def timed_out(self, silent: list[int], timeout: float | None, what: str,
                   replies: Replies) -> WorkerTimeout:
+        """The WorkerTimeout of the silent ranks, with their stacks, and with the
+        exceptions of the ranks that raised meanwhile (errors.timeout_error)."""
         assert self.ranks is not None
-        raised = [f"rank {r} raised {ErrorRecord.parse(h.get(Field.ERROR)).type}"
-                  for r, (h, _) in sorted(replies.items()) if h.get(Field.STATUS) == Status.RAISED]
-        note = f" ({'; '.join(raised)}: the silent ranks may wait for it in a collective)" \
-            if raised else ""
-        return WorkerTimeout(
-            f"no answer from rank {', '.join(map(str, silent))} within {timeout:g} s "
-            f"during {what}{note}; their stacks:\n{self.ranks.stacks(silent)}")
+        raised = {}
+        for rank, (header, body) in sorted(replies.items()):
+            if header.get(Field.STATUS) == Status.RAISED:
+                raised[rank] = (ErrorRecord.parse(header.get(Field.ERROR)),
+                                (body[0] if body else b"") or None)
+        owing = sorted(r for r in silent if r in self.owing)
+        interrupted = (self.owing[owing[0]] + 1, owing) if owing else None
+        return timeout_error(f"no answer from rank {', '.join(map(str, silent))} within "
+                             f"{timeout:g} s during {what}", raised, interrupted,
+                             self.ranks.stacks(silent))
 
     # -- end -----------------------------------------------------------------------------
     def close(self, graceful: bool) -> None:

@@ -12,6 +12,27 @@ import pytest
 
 from reactor_dist import shm
 
+# Every process the tests start inherits this (ranks, their children, apps in subprocesses):
+# it finds the ones that left the process tree (setsid, reparented to init).
+SESSION_ENV = "REACTOR_DIST_TEST_SESSION"
+os.environ[SESSION_ENV] = f"{os.getpid()}-{os.urandom(8).hex()}"
+
+
+def session_processes() -> set[int]:
+    """Live processes (but this one) that carry this test session's SESSION_ENV."""
+    needle = f"{SESSION_ENV}={os.environ[SESSION_ENV]}".encode() + b"\0"
+    found = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle in f.read():
+                    found.add(int(name))
+        except OSError:
+            pass
+    return set(wait_gone(found, timeout=0))
+
 
 def our_shm_entries() -> set[str]:
     prefix = shm.owner_prefix() + "."
@@ -36,11 +57,24 @@ def live_descendants() -> list[psutil.Process]:
     return procs
 
 
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        return psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return []
+
+
 def wait_gone(pids, timeout: float = 3.0) -> list[int]:
     deadline = time.monotonic() + timeout
     while True:
-        alive = [p for p in pids if psutil.pid_exists(p) and
-                 psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in pids if running(p)]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.02)
@@ -60,12 +94,12 @@ def segment_of(address: int) -> str | None:
 @pytest.fixture(autouse=True)
 def nothing_left_behind():
     """After each test: no new child process, no /dev/shm entry of ours, no ipc dir."""
-    before_procs = {p.pid for p in live_descendants()}
+    before_procs = {p.pid for p in live_descendants()} | session_processes()
     before_dirs = ipc_dirs()
     yield
-    left = [p for p in live_descendants() if p.pid not in before_procs]
-    alive = wait_gone([p.pid for p in left], timeout=3.0)
-    assert not alive, f"processes left behind: {[(p, psutil.Process(p).cmdline()) for p in alive]}"
+    left = {p.pid for p in live_descendants()} | session_processes()
+    alive = wait_gone(left - before_procs, timeout=3.0)
+    assert not alive, f"processes left behind: {[(p, cmdline(p)) for p in alive]}"
     assert our_shm_entries() == set(), f"/dev/shm entries left: {our_shm_entries()}"
     assert ipc_dirs() - before_dirs == set(), f"ipc dirs left: {ipc_dirs() - before_dirs}"
 

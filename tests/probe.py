@@ -7,6 +7,21 @@ import psutil
 import zmq
 
 from reactor_dist import DistributedRunner
+from reactor_dist.protocol import MARK_ENV
+
+
+def marked_by(runner_pid: int) -> list[psutil.Process]:
+    """Every live process started by the ranks of the runners in process ``runner_pid``
+    (the ranks too): they carry its mark (processes.RankProcess.mark) in their
+    environment, also after they left the rank's session or were reparented."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(MARK_ENV, "").startswith(f"{runner_pid}-"):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
 
 
 class Probe:

@@ -166,6 +166,35 @@ class AllGather(Step):
         return torch.cat(parts).numpy()
 
 
+@dataclasses.dataclass
+class RaiseBeforeAllReduce(Step):
+    """The common tensor-parallel bug: rank ``rank`` raises before an all_reduce that the
+    other ranks then wait in."""
+
+    rank: int = 1
+
+    def run(self, worker: Echo):
+        import torch
+        import torch.distributed as dist
+
+        if worker.rank == self.rank:
+            raise ValueError(f"bad shape on rank {worker.rank}: expected (8, 64)")
+        dist.all_reduce(torch.ones(1))
+
+
+@dataclasses.dataclass
+class CpuThreads(Step):
+    """Calls share_cpu_cores (as a worker's load() would) and returns torch's thread count."""
+
+    def run(self, worker: Echo):
+        import torch
+
+        from reactor_dist import share_cpu_cores
+
+        share_cpu_cores(worker.world_size, worker.device)
+        return torch.get_num_threads()
+
+
 # -- workers ----------------------------------------------------------------------------------
 class Echo(DistributedWorker):
     """Returns its input (runs a Step); with ``log_dir``, logs each call to rank<N>.log."""

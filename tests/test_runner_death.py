@@ -24,7 +24,7 @@ import numpy as np
 import psutil
 import pytest
 from conftest import wait_gone
-from probe import Probe
+from probe import Probe, marked_by
 from sample_workers import Echo
 
 from reactor_dist import DistributedRunner, shm
@@ -37,7 +37,7 @@ APP = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import numpy as np
     from sample_workers import Echo, FullArray, HangsInLoadOnRank, Sleep, SpawnChild
-    from probe import Probe
+    from probe import Probe, marked_by
     from reactor_dist import DistributedRunner
 
     mode, log_dir = sys.argv[1], sys.argv[2]
@@ -126,7 +126,7 @@ def apps(tmp_path):
 
     yield start
     for app in started:
-        for p in app_processes(app):
+        for p in app_processes(app) + marked_by(app.proc.pid):
             with contextlib.suppress(psutil.Error):
                 p.kill()
         app.cleanup()
@@ -252,9 +252,11 @@ def test_entries_of_a_tree_killed_at_once_go_at_the_next_start(apps):
     left = our_entries(victim.info["prefix"])
     assert left and our_entries(bystander.info["prefix"])
     os.kill(victim.proc.pid, signal.SIGSTOP)  # so it cannot react to its ranks' deaths
-    for p in app_processes(victim):
+    tree = marked_by(victim.proc.pid)  # every rank's children too, the detached ones as well
+    assert len(tree) >= 2 + 4, "2 ranks, each with a child and a detached child"
+    for p in tree:
         p.kill()
-    assert wait_gone(victim.info["ranks"] + victim.info["children"], timeout=2.0) == []
+    assert wait_gone([p.pid for p in tree], timeout=2.0) == []
     victim.kill()
     assert our_entries(victim.info["prefix"]) == left  # nobody was left to remove them
     assert os.path.isdir(victim.ipc)

@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from reactor_dist import DistributedWorker
-from workers._cpu import share_cpu_cores
+from reactor_dist import DistributedWorker, share_cpu_cores
 
 Weights = dict[str, torch.Tensor]
 

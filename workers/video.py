@@ -28,8 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from reactor_dist import DistributedWorker
-from workers._cpu import share_cpu_cores
+from reactor_dist import DistributedWorker, share_cpu_cores
 from workers._video_style import Style, noise_keyframe, stable_seed, style_for
 
 Allocator = Callable[[tuple[int, ...], np.dtype], np.ndarray]

@@ -1,0 +1,162 @@
+"""What a newcomer tripped over (issue 15), with real processes: a rank's exception
+behind a timeout, a script without its __main__ guard, the call after a Ctrl-C,
+the common exception base, the no-CUDA warning, CPU threads per rank, the timeout's
+stacks shown once."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from sample_workers import CpuThreads, Echo, RaiseBeforeAllReduce, Raises, Sleep
+from test_faults import interrupt_after
+
+from reactor_dist import (
+    DistributedRunner,
+    RankDesync,
+    ReactorDistError,
+    RemoteTraceback,
+    WorkerTimeout,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_a_rank_that_raised_before_a_collective_reaches_the_caller_behind_the_timeout():
+    with DistributedRunner(Echo, world_size=2, device="cpu", call_timeout=1) as runner:
+        with pytest.raises(WorkerTimeout) as info:
+            runner.generate(RaiseBeforeAllReduce(rank=1))
+    exc = info.value
+    message = str(exc)
+    assert message.startswith("no answer from rank 0 within 1 s during generate() (call 1) "
+                              "(rank 1 raised ValueError: bad shape on rank 1: expected (8, 64)")
+    assert "[rank 1] remote traceback:" in message and "in run\n" in message
+    assert "in all_reduce" in message  # the silent rank's stack stays
+    assert set(exc.rank_errors) == {1}
+    cause = exc.rank_errors[1]
+    assert exc.__cause__ is cause and isinstance(cause, ValueError)
+    assert str(cause) == "bad shape on rank 1: expected (8, 64)"
+    assert isinstance(cause.__cause__, RemoteTraceback)
+
+
+def test_a_timeout_without_a_raising_rank_has_no_rank_errors():
+    with DistributedRunner(Echo, world_size=1, device="cpu", call_timeout=0.5) as runner:
+        with pytest.raises(WorkerTimeout) as info:
+            runner.generate(Sleep(10))
+    assert info.value.rank_errors == {} and info.value.__cause__ is None
+
+
+def test_timeout_stacks_are_shown_once_without_our_own_threads(capfd):
+    with DistributedRunner(Echo, world_size=2, device="cpu", init_process_group=False,
+                           call_timeout=0.5) as runner:
+        with pytest.raises(WorkerTimeout) as info:
+            runner.generate(Sleep(10))
+    message = str(info.value)
+    assert message.count("Current thread") == 2 and "in run\n" in message
+    assert " in wait" not in message  # the rank's runner-watch thread
+    assert "Current thread" not in capfd.readouterr().err  # not forwarded a second time
+
+
+def test_a_script_without_the_main_guard_gets_one_clear_error(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent("""
+        from reactor_dist import DistributedRunner, DistributedWorker
+
+        class Doubler(DistributedWorker):
+            def generate(self, x, /):
+                return 2 * x
+
+        runner = DistributedRunner(Doubler, world_size=2, device="cpu")
+        runner.start()
+        print(runner.generate(21))
+    """))
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
+    assert time.monotonic() - started < 20
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.count("Traceback") == 1, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("reactor_dist.errors.MainGuardMissing: a DistributedRunner was "
+                           "built while a rank re-ran your script")
+    assert 'under `if __name__ == "__main__":`' in last
+
+
+def test_after_ctrl_c_a_short_timeout_says_the_ranks_still_run_the_interrupted_call():
+    with DistributedRunner(Echo, world_size=2, device="cpu", init_process_group=False) as runner:
+        with interrupt_after(0.2), pytest.raises(KeyboardInterrupt):
+            runner.generate(Sleep(3))  # call 1
+        with pytest.raises(WorkerTimeout) as info:
+            runner.generate(1, timeout=0.5)  # call 2
+    assert "during generate() (call 2) (the ranks are still running the interrupted call 1: " \
+           "rank 0, 1 never answered it" in str(info.value)
+
+
+def test_wait_idle_waits_for_the_interrupted_call_and_the_runner_stays_usable():
+    with DistributedRunner(Echo, world_size=2, device="cpu", init_process_group=False) as runner:
+        assert runner.wait_idle(0.1) is True  # nothing interrupted
+        with interrupt_after(0.2), pytest.raises(KeyboardInterrupt):
+            runner.generate(Sleep(2, value="old"))
+        started = time.monotonic()
+        assert runner.wait_idle(0.3) is False and runner.healthy
+        assert runner.wait_idle(10) is True
+        assert 1.2 < time.monotonic() - started < 3.5
+        started = time.monotonic()
+        assert runner.generate("new", timeout=0.5) == "new"  # its own clock: no wait left
+        assert time.monotonic() - started < 0.5
+
+
+def test_every_runner_failure_is_a_reactor_dist_error_and_keeps_its_standard_base():
+    with DistributedRunner(Raises, world_size=2, device="cpu", init_process_group=False,
+                           load_kwargs={"rank": 1}) as runner:
+        with pytest.raises(ReactorDistError) as info:
+            runner.generate("fault")
+    assert isinstance(info.value, RankDesync) and isinstance(info.value, RuntimeError)
+    assert str(info.value).endswith("the ranks are out of step; the runner is unusable: "
+                                    "shut it down (and build a new one to go on)")
+    with DistributedRunner(Echo, world_size=1, device="cpu", call_timeout=0.3) as runner:
+        with pytest.raises(ReactorDistError) as info:
+            runner.generate(Sleep(5))
+    assert isinstance(info.value, WorkerTimeout) and isinstance(info.value, TimeoutError)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is for machines without CUDA")
+def test_gpus_on_a_machine_without_cuda_warns_on_the_reactor_dist_logger(caplog):
+    caplog.set_level(logging.WARNING, logger="reactor_dist")
+    with DistributedRunner(Echo, world_size=2, gpus=[0, 1], init_process_group=False):
+        pass
+    (record,) = [r for r in caplog.records if r.name == "reactor_dist"]
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().startswith("gpus=[0, 1] was given, but the ranks see no CUDA "
+                                          "device: they run on CPU")
+    caplog.clear()
+    with DistributedRunner(Echo, world_size=1, device="cpu", init_process_group=False):
+        pass
+    assert not [r for r in caplog.records if r.name == "reactor_dist"]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_share_cpu_cores_gives_each_cpu_rank_its_share(world_size, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with DistributedRunner(Echo, world_size=world_size, device="cpu",
+                           init_process_group=False) as runner:
+        threads = runner.generate(CpuThreads())
+    assert threads == max(1, len(os.sched_getaffinity(0)) // world_size)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is for machines without CUDA")
+def test_device_auto_without_cuda_warns_once_per_process(caplog, monkeypatch):
+    monkeypatch.setattr("reactor_dist.runner._warned_auto_cpu", False)
+    caplog.set_level(logging.WARNING, logger="reactor_dist")
+    for _ in range(2):
+        with DistributedRunner(Echo, world_size=1, init_process_group=False):
+            pass
+    (record,) = [r for r in caplog.records if r.name == "reactor_dist"]
+    assert record.getMessage().startswith('device="auto" found no CUDA device: the ranks run '
+                                          'on CPU')
