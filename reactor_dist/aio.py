@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from .calls import ENDED, PendingCall
+from .calls import PendingCall
 from .errors import WorkerCrashed, WorkerTimeout
 from .outcome import judge
 from .protocol import Method
+from .stream import handed_out
 from .transport import Transport
 
 if TYPE_CHECKING:
@@ -166,12 +167,7 @@ async def call(runner: DistributedRunner, method: str, value: Any,
         except (WorkerCrashed, WorkerTimeout) as exc:
             runner._break(exc)
             raise  # keeps its __cause__
-        verdict = judge(method, runner._transport.outcomes(pending))
-    if verdict.error is None:
-        return verdict.value
-    if verdict.breaks:
-        runner._break(verdict.error)
-    raise verdict.error
+        return runner._answer(pending)
 
 
 class AsyncStream:
@@ -225,17 +221,7 @@ class AsyncStream:
         except Exception:
             await self.aclose()  # an item that did not unpickle here: the step goes on
             raise
-        if item is not ENDED:
-            return item
-        self._end()
-        verdict = judge(Method.GENERATE, transport.outcomes(pending))
-        if verdict.error is not None:
-            if verdict.breaks:
-                runner._break(verdict.error)
-            raise verdict.error
-        if pending.generator:
-            raise StopAsyncIteration
-        return verdict.value
+        return handed_out(self, pending, item, StopAsyncIteration)
 
     async def aclose(self) -> None:
         """Leave the stream: the step still ends on every rank, its other items unread."""

@@ -268,12 +268,17 @@ class DistributedRunner:
             except (WorkerCrashed, WorkerTimeout) as exc:
                 self._break(exc)
                 raise  # keeps its __cause__: a rank's exception behind a timeout
-            verdict = judge(method, self._transport.outcomes(pending))
-            if verdict.error is None:
-                return verdict.value
-            if verdict.breaks:
-                self._break(verdict.error)
-            raise verdict.error
+            return self._answer(pending)
+
+    def _answer(self, pending: PendingCall) -> Any:
+        """The value of a call every rank answered, or the contract's error (which may
+        leave the runner unusable)."""
+        verdict = judge(pending.method, self._transport.outcomes(pending))
+        if verdict.error is None:
+            return verdict.value
+        if verdict.breaks:
+            self._break(verdict.error)
+        raise verdict.error
 
     def _send(self, method: str, value: Any, timeout: float | None) -> PendingCall:
         """Under the lock: once no stream is open and an abandoned one ended, publish."""

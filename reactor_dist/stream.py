@@ -23,11 +23,23 @@ from typing import TYPE_CHECKING, Any
 
 from .calls import ENDED, PendingCall
 from .errors import WorkerCrashed, WorkerTimeout
-from .outcome import judge
-from .protocol import Method
 
 if TYPE_CHECKING:
+    from .aio import AsyncStream
     from .runner import DistributedRunner
+
+
+def handed_out(stream: Stream | AsyncStream, pending: PendingCall, item: Any,
+               stop: type[Exception]) -> Any:
+    """What next() gives for ``item``: the item; at the end (``ENDED``) the contract's
+    error, a plain worker's one value, or ``stop`` after a generator's last item."""
+    if item is not ENDED:
+        return item
+    stream._end()
+    value = stream._runner._answer(pending)
+    if pending.generator:
+        raise stop
+    return value
 
 
 class Stream:
@@ -61,17 +73,7 @@ class Stream:
             except Exception:
                 self.close()  # an item that did not unpickle here: the step goes on
                 raise
-            if item is not ENDED:
-                return item
-            self._end()
-            verdict = judge(Method.GENERATE, transport.outcomes(pending))
-            if verdict.error is not None:
-                if verdict.breaks:
-                    runner._break(verdict.error)
-                raise verdict.error
-            if pending.generator:
-                raise StopIteration
-            return verdict.value  # a plain worker's one value; the next next() stops
+            return handed_out(self, pending, item, StopIteration)
 
     def close(self) -> None:
         """Leave the stream: the step still ends on every rank, its other items unread."""

@@ -34,3 +34,14 @@ def test_bring_your_own_model_examples_run_as_printed(tmp_path):
     torchrun_style, runner_group = readme_blocks("Bring your own model")
     assert run_block(tmp_path, torchrun_style) == "3.0"
     assert run_block(tmp_path, runner_group) == "56.0"
+
+
+def test_streaming_example_runs_as_printed(tmp_path):
+    (block,) = readme_blocks("Streaming")
+    assert run_block(tmp_path, block).splitlines() == [
+        "(2, 8, 8, 3) 0", "(2, 8, 8, 3) 2", "(2, 8, 8, 3) 4", "3"]
+
+
+def test_asyncio_example_runs_as_printed(tmp_path):
+    (block,) = readme_blocks("asyncio")
+    assert run_block(tmp_path, block).splitlines() == ["[0, 2, 4]", "42"]
