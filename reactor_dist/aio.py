@@ -42,21 +42,20 @@ class Readable:
     socket's descriptor for the whole call, and ZeroMQ's EVENTS says whether a message
     is really there (the descriptor only says that something changed)."""
 
-    def __init__(self, sock: zmq.Socket) -> None:
+    def __init__(self, sock: zmq.Socket, fd: int) -> None:
         self.sock = sock
         self.loop = asyncio.get_running_loop()
-        self.fd = sock.get(zmq.FD)
+        self.fd = fd
         self.woken: asyncio.Future | None = None
-        self.loop.add_reader(self.fd, self._wake)
+        self.loop.add_reader(fd, self._wake)
 
     def _wake(self) -> None:
         if self.woken is not None and not self.woken.done():
             self.woken.set_result(None)
 
     async def wait(self, timeout: float | None) -> None:
-        """Until a message may be there, or ``timeout`` seconds passed."""
-        if self.sock.get(zmq.EVENTS) & zmq.POLLIN:
-            return
+        """Until a message may be there, or ``timeout`` seconds passed (the caller has
+        just seen that none is)."""
         self.woken = woken = self.loop.create_future()
         timer = None if timeout is None else self.loop.call_later(timeout, self._wake)
         try:
@@ -76,13 +75,11 @@ async def collect(transport: Transport, pending: PendingCall, until_item: bool =
     assert bus is not None
     timeout = pending.timeout
     deadline = None if timeout is None else time.monotonic() + timeout
-    readable = Readable(bus.pull)
+    readable = Readable(bus.pull, bus.pull_fd)
     try:
         while len(pending.replies) < transport.world_size:
-            message = bus.receive(0)
-            if message is None:
-                if bus.pull.get(zmq.EVENTS) & zmq.POLLIN:
-                    continue  # dropped a stranger's message; more wait
+            # Ask ZeroMQ first: a receive that finds nothing costs an exception.
+            if not bus.pull_events() & zmq.POLLIN:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     silent = [r for r in range(transport.world_size)
@@ -90,6 +87,9 @@ async def collect(transport: Transport, pending: PendingCall, until_item: bool =
                     raise transport.timed_out(silent, timeout, pending.what, pending.replies)
                 await readable.wait(left)
                 continue
+            message = bus.receive(0)
+            if message is None:
+                continue  # a stranger's message, dropped
             header, body = transport.arrived(message)
             if transport.take(pending, header, body):
                 if until_item:

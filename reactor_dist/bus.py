@@ -10,6 +10,7 @@ before anything in it is decoded; what is not ours is dropped unread.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import tempfile
@@ -76,6 +77,8 @@ class Bus:
         self.pull.bind(self.reply_addr)
         self.death_addr = f"inproc://reactor-dist-deaths-{id(self):x}"
         self.pull.bind(self.death_addr)
+        self.pull_fd = self.pull.get(zmq.FD)  # for an event loop's add_reader (aio.py)
+        self.pull_events = functools.partial(super(zmq.Socket, self.pull).get, zmq.EVENTS)
         self._pub_open = False  # a multipart command is half-sent (interrupted)
         self._pull_timeout = -1  # the PULL socket's RCVTIMEO, in ms
 
