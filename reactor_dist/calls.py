@@ -109,6 +109,7 @@ class CallPath:
         header: dict[str, Any] = {Field.KIND: Kind.CALL, Field.METHOD: method}
         body: list = [b""]
         if method == Method.GENERATE:
+            self.inputs.new_call()
             try:
                 descriptors, body, _ = transfer.encode(
                     value, self.inputs, "the input of generate()", holders=range(self.world_size))

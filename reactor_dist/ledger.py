@@ -33,9 +33,15 @@ import numpy as np
 
 from .shm import GRANULE, Segment, SharedSlotAllocationFailed
 
+# How many idle segments stay warm: at least ``keep_free``, and as many as one call
+# acquired among the last WARM_WINDOW calls (a stream of 8 items needs 8 every step), but
+# never more than WARM_MOST for that reason.  Results held across calls do not count:
+# dropping them returns their memory.
+WARM_WINDOW, WARM_MOST = 32, 16
+
 
 class Ledger:
-    """The segments one side owns and lends out; ``keep_free`` idle ones stay warm."""
+    """The segments one side owns and lends out; idle ones stay warm for reuse."""
 
     def __init__(self, directory: str, prefix: str, tag: str, keep_free: int = 2) -> None:
         self.directory, self.prefix, self.tag, self.keep_free = directory, prefix, tag, keep_free
@@ -45,6 +51,7 @@ class Ledger:
         self._pending: collections.deque[tuple[str, Hashable]] = collections.deque()
         self._retired: list[str] = []
         self._counter = 0
+        self._per_call: collections.deque[int] = collections.deque([0], maxlen=WARM_WINDOW)
 
     def acquire(self, nbytes: int, what: str, holders: Iterable[Hashable]) -> Segment:
         """An idle segment of at least ``nbytes`` (smallest fit) or a new one, held by
@@ -66,7 +73,12 @@ class Ledger:
                 self._retire(keep=0)
                 self.segments[name] = Segment.create(self.directory, name, size, what)
         self.holders[name] = Counter(holders)
+        self._per_call[-1] += 1
         return self.segments[name]
+
+    def new_call(self) -> None:
+        """A call starts: count its acquisitions apart (see WARM_WINDOW)."""
+        self._per_call.append(0)
 
     def hold(self, name: str, holder: Hashable) -> None:
         self.holders[name][holder] += 1
@@ -113,7 +125,7 @@ class Ledger:
                 del held[holder]
             if not held and name not in self.idle:
                 self.idle.append(name)
-        self._retire(self.keep_free)
+        self._retire(max(self.keep_free, min(max(self._per_call), WARM_MOST)))
 
     def _retire(self, keep: int) -> None:
         while len(self.idle) > keep:

@@ -221,6 +221,7 @@ class RankServer:
         retired = header.get(Field.RETIRED)
         if retired:
             self.inputs.unmap(retired)
+        self.results.new_call()
         reply: dict[str, Any] = {Field.KIND: Kind.REPLY, Field.SEQ: header[Field.SEQ],
                                  Field.STATUS: Status.OK}
         payload: list = []
