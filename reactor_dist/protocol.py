@@ -12,7 +12,8 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
                                               rendezvous store, else 0)
     init      ->   once every rank ponged     PORT (rank 0's store port)
     ready     <-   load() returned or raised  STATUS, ERROR, DEVICE (the rank's device,
-                                              e.g. "cpu" or "cuda:0", once chosen)
+                                              e.g. "cpu" or "cuda:0", once chosen),
+                                              LOAD_SECONDS (load()'s duration, a float)
     call      ->   generate() / reset()       METHOD, DESCRIPTORS (input buffers),
                                               RELEASED (result segments the caller let
                                               go), RETIRED (input segments unlinked)
@@ -22,7 +23,9 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
                    (a generator: ran out)     result), ITEMS (how many items rank 0
                                               sent, for a generator), RELEASED (input
                                               segments the rank let go), RETIRED
-                                              (result segments rank 0 unlinked)
+                                              (result segments rank 0 unlinked), COMPUTE
+                                              (seconds inside the worker method, a float
+                                              duration on the rank's monotonic clock)
     shutdown  ->   graceful shutdown          -
     death     (inproc, the runner's death watch to its own PULL socket) RANK = who died
 
@@ -72,6 +75,8 @@ class Field:
     INDEX = "i"
     ITEMS = "n"
     DEVICE = "dev"
+    COMPUTE = "c"
+    LOAD_SECONDS = "ls"
 
 
 class Kind:

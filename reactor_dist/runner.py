@@ -21,6 +21,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Sequence
+from time import perf_counter
 from types import EllipsisType
 from typing import Any
 
@@ -31,6 +32,7 @@ from .outcome import judge
 from .protocol import Method
 from .shm import DEFAULT_DIR
 from .stream import Stream
+from .timings import CallTimings, Recorder, Stats
 from .transport import Transport
 from .validation import (
     check_load_kwargs,
@@ -123,6 +125,7 @@ class DistributedRunner:
         self._tasks_loop: asyncio.AbstractEventLoop | None = None
         self._abandoned: PendingCall | None = None  # a stream left early, still running
         self._finalizer = weakref.finalize(self, _close, self._transport, self._state)
+        self._timings = Recorder(world_size)
 
     # -- properties -----------------------------------------------------------------------
     @property
@@ -134,6 +137,31 @@ class DistributedRunner:
         """True between a successful start() and a crash, timeout, desync or shutdown.
         Only reads: a rank that died while idle is reported by the next call."""
         return self._state[0] == READY and not self._transport.dead()
+
+    # -- timings (reactor_dist.timings) ------------------------------------------------------
+    @property
+    def last_timings(self) -> CallTimings | None:
+        """Where the seconds of the latest answered call went: ``wall``, ``compute`` (per
+        rank), ``slowest_rank``, ``encode``, ``wait``, ``decode``; None before the first."""
+        return self._timings.last
+
+    @property
+    def record_timings(self) -> bool:
+        """Whether calls are timed (default: on; ``REACTOR_DIST_TIMINGS=0`` turns it off)."""
+        return self._timings.enabled
+
+    @record_timings.setter
+    def record_timings(self, on: bool) -> None:
+        self._timings.enabled = bool(on)
+
+    def stats(self, reset: bool = False) -> Stats:
+        """Per-rank compute and the overhead (count, p50, p90, p99) over the calls since
+        start or the last reset (the latest 10,000 of them); ``str()`` is a table."""
+        return self._timings.stats(reset)
+
+    def reset_stats(self) -> None:
+        """Forget the calls that stats() summarises."""
+        self._timings.reset()
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -272,8 +300,15 @@ class DistributedRunner:
 
     def _answer(self, pending: PendingCall) -> Any:
         """The value of a call every rank answered, or the contract's error (which may
-        leave the runner unusable)."""
-        verdict = judge(pending.method, self._transport.outcomes(pending))
+        leave the runner unusable); records the call's timings."""
+        answered = perf_counter()
+        try:
+            verdict = judge(pending.method, self._transport.outcomes(pending))
+        finally:
+            timings = self._timings
+            if timings.enabled:
+                timings.record(pending.started, pending.sent, answered, perf_counter(),
+                               self._transport.compute(pending))
         if verdict.error is None:
             return verdict.value
         if verdict.breaks:

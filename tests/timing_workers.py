@@ -1,0 +1,35 @@
+"""Workers for the timings tests: ranks that take known, different times."""
+
+from __future__ import annotations
+
+import time
+
+from reactor_dist import DistributedWorker
+
+
+class SlowRank(DistributedWorker):
+    """Sleeps ``base`` seconds, ``extra`` more on rank ``slow`` (None: a balanced run)."""
+
+    def load(self, slow: int | None = 1, base: float = 0.0, extra: float = 0.05) -> None:
+        self.slow, self.base, self.extra = slow, base, extra
+
+    def generate(self, x, /):
+        time.sleep(self.base + (self.extra if self.rank == self.slow else 0.0))
+        return x
+
+
+class SlowSteps(DistributedWorker):
+    """A generator worker: ``n`` items, each after ``pause`` seconds (twice on rank 1)."""
+
+    def generate(self, spec: dict):
+        for i in range(spec["n"]):
+            time.sleep(spec["pause"] * (2 if self.rank == 1 else 1))
+            yield i
+
+
+class Raises(DistributedWorker):
+    """Sleeps ``pause`` seconds, then raises on every rank."""
+
+    def generate(self, pause: float):
+        time.sleep(pause)
+        raise ValueError("planned")
