@@ -13,7 +13,8 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
     init      ->   once every rank ponged     PORT (rank 0's store port)
     ready     <-   load() returned or raised  STATUS, ERROR, DEVICE (the rank's device,
                                               e.g. "cpu" or "cuda:0", once chosen),
-                                              LOAD_SECONDS (load()'s duration, a float)
+                                              LOAD_SECONDS (load()'s duration, a float),
+                                              GROUP_SECONDS (forming the group's)
     call      ->   generate() / reset()       METHOD, DESCRIPTORS (input buffers),
                                               RELEASED (result segments the caller let
                                               go), RETIRED (input segments unlinked)
@@ -77,6 +78,7 @@ class Field:
     DEVICE = "dev"
     COMPUTE = "c"
     LOAD_SECONDS = "ls"
+    GROUP_SECONDS = "gs"
 
 
 class Kind:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import inspect
+import logging
 import os
 import pickle
 import select
@@ -41,6 +42,7 @@ from .ledger import Ledger, Mapped
 from .protocol import Bootstrap, Field, Kind, Method, Status
 from .validation import import_worker_class
 
+log = logging.getLogger("reactor_dist")  # no handler here: its lines reach [rank N] output
 # Who holds a segment of rank 0's result ledger.
 CALLER, WORKER = "caller", "worker"
 
@@ -145,7 +147,7 @@ class RankServer:
             except wire.ProtocolError as exc:
                 self.rejected += 1
                 if self.rejected <= 3:  # say it, but never flood the log
-                    print(f"reactor-dist: rejected a message: {exc}", file=sys.stderr)
+                    log.warning("reactor-dist: rejected a message: %s", exc)
                 continue
             kind = header[Field.KIND]
             if kind == Kind.PING:
@@ -186,8 +188,10 @@ class RankServer:
             if port:
                 os.environ["MASTER_PORT"] = str(port)
             device = reply[Field.DEVICE] = choose_device(self.boot.device, self.rank)
+            began = time.perf_counter()
             if self.boot.init_process_group and self.world_size > 1:
                 self.form_group(device, port)
+                reply[Field.GROUP_SECONDS] = time.perf_counter() - began
             began = time.perf_counter()
             self.worker = self.boot_worker(device)
             reply[Field.LOAD_SECONDS] = time.perf_counter() - began

@@ -29,6 +29,7 @@ from . import aio
 from .calls import PendingCall
 from .errors import WorkerCrashed, WorkerTimeout
 from .outcome import judge
+from .output import OUTPUT_MODES
 from .protocol import Method
 from .shm import DEFAULT_DIR
 from .stream import Stream
@@ -75,8 +76,10 @@ class DistributedRunner:
     (physical GPU ids, one per rank; sets CUDA_VISIBLE_DEVICES), ``env`` (extra
     environment of the ranks), ``launch_prefix`` (wraps each rank's command,
     ``{rank}`` substituted), ``shm_dir``, ``keep_free_segments`` (idle warm
-    segments each pool keeps) and ``shutdown_grace`` (seconds a healthy group
-    gets to exit before SIGTERM).
+    segments each pool keeps), ``shutdown_grace`` (seconds a healthy group
+    gets to exit before SIGTERM) and ``rank_output`` ("stderr": each rank's lines,
+    ``[rank N]``-prefixed, on this process's stderr; "log": as INFO records of the
+    ``reactor_dist.rank`` logger).
     """
 
     def __init__(self, worker_cls: type, *, world_size: int = 1,
@@ -85,7 +88,7 @@ class DistributedRunner:
                  device: str = "auto", gpus: Sequence[int] | None = None,
                  env: dict[str, str] | None = None, launch_prefix: Sequence[str] = (),
                  shm_dir: str = DEFAULT_DIR, keep_free_segments: int = 2,
-                 shutdown_grace: float = 5.0) -> None:
+                 shutdown_grace: float = 5.0, rank_output: str = "stderr") -> None:
         check_not_rerunning_main()  # a rank re-running a script without its __main__ guard
         self._world_size = check_world_size(world_size)
         check_methods(worker_cls)
@@ -93,6 +96,8 @@ class DistributedRunner:
         kwargs = check_load_kwargs(load_kwargs)
         self.call_timeout = _check_timeout("call_timeout", call_timeout)
         self.start_timeout = _check_timeout("start_timeout", start_timeout)
+        if rank_output not in OUTPUT_MODES:
+            raise ValueError(f"rank_output must be 'stderr' or 'log', got {rank_output!r}")
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
         if gpus is not None:
@@ -113,7 +118,7 @@ class DistributedRunner:
             launch_prefix=[str(p) for p in launch_prefix], shm_dir=shm_dir,
             keep_free=keep_free_segments,
             start_timeout=self.start_timeout or 365 * 24 * 3600.0,
-            shutdown_grace=shutdown_grace)
+            shutdown_grace=shutdown_grace, rank_output=rank_output)
         self._state = [NEW]  # a list, shared with the finalizer
         self._failure: BaseException | None = None
         self._lock = threading.RLock()

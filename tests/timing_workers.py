@@ -33,3 +33,26 @@ class Raises(DistributedWorker):
     def generate(self, pause: float):
         time.sleep(pause)
         raise ValueError("planned")
+
+
+class Talks(DistributedWorker):
+    """Prints a line in load() and in each call; load() takes ``pause`` seconds."""
+
+    def load(self, pause: float = 0.0) -> None:
+        time.sleep(pause)
+        print(f"loaded rank {self.rank}", flush=True)
+
+    def generate(self, x, /):
+        print(f"rank {self.rank} got {x}", flush=True)
+        return x
+
+
+class DiesInCall(DistributedWorker):
+    """Rank 1 exits in its first call."""
+
+    def generate(self, x, /):
+        if self.rank == 1:
+            import os
+
+            os._exit(3)
+        return x
