@@ -10,6 +10,9 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
     ping      ->   handshake, every 20 ms     -
     pong      <-   answer to each ping        PID (the rank's own pid), PORT (rank 0's
                                               rendezvous store, else 0)
+    progress  <-   a phase of start() begins  PHASE ("importing", "forming the group",
+                   (import, group, load), or  "loading"); for load()'s own reports DONE,
+                   load() reported progress   TOTAL (numbers; TOTAL may be absent), UNIT
     init      ->   once every rank ponged     PORT (rank 0's store port)
     ready     <-   load() returned or raised  STATUS, ERROR, DEVICE (the rank's device,
                                               e.g. "cpu" or "cuda:0", once chosen),
@@ -79,6 +82,10 @@ class Field:
     COMPUTE = "c"
     LOAD_SECONDS = "ls"
     GROUP_SECONDS = "gs"
+    PHASE = "ph"
+    DONE = "dn"
+    TOTAL = "tt"
+    UNIT = "u"
 
 
 class Kind:
@@ -86,9 +93,10 @@ class Kind:
 
     PING, INIT, CALL, SHUTDOWN = "ping", "init", "call", "shutdown"  # runner -> every rank
     PONG, READY, REPLY, ITEM = "pong", "ready", "reply", "item"  # one rank -> runner
+    PROGRESS = "progress"  # one rank -> runner, during start()
     DEATH = "death"  # the runner's death watch -> its own PULL socket
     COMMANDS = frozenset({PING, INIT, CALL, SHUTDOWN})
-    REPLIES = frozenset({PONG, READY, REPLY, ITEM})
+    REPLIES = frozenset({PONG, READY, REPLY, ITEM, PROGRESS})
     ALL = COMMANDS | REPLIES | {DEATH}
     TO_RUNNER = REPLIES | {DEATH}  # what the runner's PULL socket accepts
 

@@ -39,6 +39,7 @@ import zmq
 from . import shm, transfer, wire
 from .errors import SharedSlotAllocationFailed, describe, pickle_exception
 from .ledger import Ledger, Mapped
+from .progress import FORMING, IMPORTING, LOADING, Reporter
 from .protocol import Bootstrap, Field, Kind, Method, Status
 from .validation import import_worker_class
 
@@ -106,6 +107,7 @@ class RankServer:
                              lambda name: "/" not in name and name.startswith(prefix))
         self.unchecked: set[str] = set()  # released input views not yet checked for writes
         self.inside = 0.0  # seconds inside the running generator step (run_steps)
+        self.progress = Reporter(self.send)  # Kind.PROGRESS during start-up
 
     # -- plumbing ------------------------------------------------------------------
     def connect(self) -> None:
@@ -170,6 +172,7 @@ class RankServer:
         for the import side by side rather than one after the other."""
         if not (self.boot.init_process_group and self.world_size > 1):
             return 0
+        self.progress.phase(IMPORTING)
         from torch.distributed import TCPStore
 
         if self.rank != 0:
@@ -190,8 +193,10 @@ class RankServer:
             device = reply[Field.DEVICE] = choose_device(self.boot.device, self.rank)
             began = time.perf_counter()
             if self.boot.init_process_group and self.world_size > 1:
+                self.progress.phase(FORMING)
                 self.form_group(device, port)
                 reply[Field.GROUP_SECONDS] = time.perf_counter() - began
+            self.progress.phase(LOADING)
             began = time.perf_counter()
             self.worker = self.boot_worker(device)
             reply[Field.LOAD_SECONDS] = time.perf_counter() - began
@@ -217,6 +222,7 @@ class RankServer:
         worker.rank, worker.world_size, worker.device = self.rank, self.world_size, device
         if self.rank == 0:
             worker._reactor_allocate = self.shared_empty
+        worker._reactor_progress = self.progress.report
         worker.load(**pickle.loads(self.boot.load_kwargs))
         return worker
 

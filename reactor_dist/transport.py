@@ -33,6 +33,7 @@ from .errors import (
 )
 from .ledger import Ledger, Mapped
 from .processes import Ranks, free_port
+from .progress import Display
 from .protocol import (
     SECRET_SIZE,
     Bootstrap,
@@ -74,6 +75,7 @@ class Transport(CallPath):
         self.bus: Bus | None = None
         self.ranks: Ranks | None = None
         self.ipc_dir: str | None = None
+        self.display: Display | None = None  # start()'s progress display
         self._worker, self._load_kwargs = worker, pickle.dumps(load_kwargs, protocol=5)
         self._init_process_group, self._device = init_process_group, device
         self._start_timeout, self._keep_free = start_timeout, keep_free
@@ -91,6 +93,14 @@ class Transport(CallPath):
         self.ipc_dir = private_dir()
         self.bus = Bus(self.secret, self.ipc_dir, self.world_size)
         self.ranks = Ranks(self.world_size, self.bus.tell_death, self.rank_output)
+        self.display = Display(self.world_size)
+        try:
+            self.start_ranks(deadline, timeout)
+        finally:
+            self.display.close()
+
+    def start_ranks(self, deadline: float, timeout: float) -> None:
+        assert self.ranks is not None and self.bus is not None
         # For models that form their own group (init_process_group=False): one port for
         # all ranks. With our group, rank 0's store binds port 0 and Kind.INIT carries its port.
         master_port = free_port()
@@ -169,6 +179,8 @@ class Transport(CallPath):
                 replies[rank] = message
                 if first_error and header.get(Field.STATUS) == Status.RAISED:
                     return {rank: message}
+            elif header[Field.KIND] == Kind.PROGRESS and self.display is not None:
+                self.display.update(header)
             elif header[Field.KIND] == Kind.DEATH:
                 raise self.crashed(self.ranks.dead() or [rank], "start()")
         return replies

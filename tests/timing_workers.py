@@ -56,3 +56,15 @@ class DiesInCall(DistributedWorker):
 
             os._exit(3)
         return x
+
+
+class LoadsShards(DistributedWorker):
+    """load() reports ``shards`` steps of progress, ``pause`` seconds apart."""
+
+    def load(self, shards: int = 4, pause: float = 0.02) -> None:
+        for done in range(1, shards + 1):
+            time.sleep(pause)
+            self.report_progress(done, shards, "shards")
+
+    def generate(self, x, /):
+        return x
