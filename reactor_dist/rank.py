@@ -302,9 +302,8 @@ class RankServer:
         many items were yielded and the delivery failure, if any; ``self.inside`` adds
         up the seconds spent inside the generator (sending items is not counted)."""
         count, failure = 0, None
-        self.inside = 0.0
+        self.inside, began = 0.0, time.perf_counter()
         try:
-            began = time.perf_counter()
             for item in steps:
                 self.inside += time.perf_counter() - began
                 index, count = count, count + 1
@@ -312,8 +311,8 @@ class RankServer:
                     failure = self.send_item(seq, index, item)
                 del item
                 began = time.perf_counter()
+        finally:  # the last next(): the generator ran out or raised
             self.inside += time.perf_counter() - began
-        finally:
             steps.close()
         return count, failure
 

@@ -6,7 +6,7 @@ import logging
 import time
 
 import pytest
-from timing_workers import Raises, SlowRank, SlowSteps
+from timing_workers import Raises, RaisingSteps, SlowRank, SlowSteps
 
 from reactor_dist import DistributedRunner
 from reactor_dist.timings import CallTimings, Recorder
@@ -50,6 +50,10 @@ def test_a_generator_workers_compute_is_the_time_inside_the_generator():
 
 def test_a_call_that_raises_is_timed_too():
     with runner_for(Raises) as runner:
+        with pytest.raises(ValueError, match="planned"):
+            runner.generate(0.03)
+        assert min(runner.last_timings.compute) >= 0.03
+    with runner_for(RaisingSteps) as runner:
         with pytest.raises(ValueError, match="planned"):
             runner.generate(0.03)
         assert min(runner.last_timings.compute) >= 0.03

@@ -35,6 +35,15 @@ class Raises(DistributedWorker):
         raise ValueError("planned")
 
 
+class RaisingSteps(DistributedWorker):
+    """A generator worker: one item, then ``pause`` seconds, then it raises on every rank."""
+
+    def generate(self, pause: float):
+        yield 0
+        time.sleep(pause)
+        raise ValueError("planned")
+
+
 class Talks(DistributedWorker):
     """Prints a line in load() and in each call; load() takes ``pause`` seconds."""
 
