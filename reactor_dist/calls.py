@@ -154,8 +154,9 @@ class CallPath:
 
     def compute(self, pending: PendingCall) -> tuple[float, ...]:
         """Each rank's seconds inside its worker method (Field.COMPUTE of its REPLY)."""
-        return tuple([header.get(Field.COMPUTE, 0.0) for header, _ in
-                      (pending.replies[rank] for rank in range(self.world_size))])
+        replies = pending.replies
+        return tuple([replies[rank][0].get(Field.COMPUTE, 0.0)
+                      for rank in range(self.world_size)])
 
     def outcomes(self, pending: PendingCall) -> list[Outcome]:
         """Every rank's Outcome; rank 0's result is decoded only when every rank returned

@@ -13,8 +13,9 @@ the call into three parts::
 so ``wall == encode + wait + decode``; ``overhead = wall - max(compute)`` is what the
 library (and the ranks' waits for each other) added to the slowest rank's work.
 
-The per-call cost is one small slotted record and a deque append; statistics and
-the straggler check look back over the kept records lazily (the check every
+The per-call cost is one tuple of the raw clock readings and a deque append: the
+:class:`CallTimings` record is built only when asked for, and statistics and the
+straggler check look back over the kept rows lazily (the check every
 :data:`CHECK_EVERY` calls).  ``REACTOR_DIST_TIMINGS=0`` in the caller's environment
 (or ``runner.record_timings = False``) turns the bookkeeping off.
 """
@@ -29,12 +30,15 @@ import time
 from collections.abc import Sequence
 
 log = logging.getLogger("reactor_dist")
+# One call as recorded: perf_counter at send, at publish, at the last reply, at the end;
+# each rank's compute.
+Row = tuple[float, float, float, float, tuple[float, ...]]
 
 KEPT_CALLS = 10_000     # the rolling window of runner.stats()
 STRAGGLER_WINDOW = 20   # calls whose median compute the straggler rule compares
 STRAGGLER_RATIO = 1.25  # a rank slower than this times the others' median ...
 STRAGGLER_MARGIN = 0.002  # ... and at least this many seconds slower
-CHECK_EVERY = 10        # calls between straggler checks
+CHECK_EVERY = 20        # calls between straggler checks
 WARN_EVERY = 60.0       # seconds between two warnings about one rank
 
 
@@ -55,6 +59,11 @@ class CallTimings:
         self.encode = encode      # sending: pickling the input, publishing the CALL
         self.wait = wait          # waiting for every rank's REPLY
         self.decode = decode      # decoding rank 0's result, judging the outcomes
+
+    @classmethod
+    def of(cls, row: Row) -> CallTimings:
+        started, sent, answered, ended, compute = row
+        return cls(ended - started, compute, sent - started, answered - sent, ended - answered)
 
     @property
     def slowest_rank(self) -> int:
@@ -105,7 +114,8 @@ class Summary:
 class Stats:
     """``runner.stats()``: per-rank compute and the overhead over the kept calls."""
 
-    def __init__(self, calls: Sequence[CallTimings], world_size: int, total: int) -> None:
+    def __init__(self, rows: Sequence[Row], world_size: int, total: int) -> None:
+        calls = [CallTimings.of(row) for row in rows]
         self.calls = total  # calls recorded since start or the last reset
         self.compute = tuple(Summary([c.compute[r] for c in calls]) for r in range(world_size))
         self.overhead = Summary([c.overhead for c in calls])
@@ -134,16 +144,19 @@ class Recorder:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.enabled = enabled_by_default()
-        self.last: CallTimings | None = None
-        self.calls: collections.deque[CallTimings] = collections.deque(maxlen=KEPT_CALLS)
+        self.latest: Row | None = None
+        self.calls: collections.deque[Row] = collections.deque(maxlen=KEPT_CALLS)
         self.total = 0
         self.warned: dict[int, float] = {}  # rank -> monotonic time of its last warning
 
+    @property
+    def last(self) -> CallTimings | None:
+        return None if self.latest is None else CallTimings.of(self.latest)
+
     def record(self, started: float, sent: float, answered: float, ended: float,
                compute: tuple[float, ...]) -> None:
-        timings = self.last = CallTimings(ended - started, compute, sent - started,
-                                          answered - sent, ended - answered)
-        self.calls.append(timings)
+        row = self.latest = (started, sent, answered, ended, compute)
+        self.calls.append(row)
         self.total += 1
         if self.world_size > 1 and self.total % CHECK_EVERY == 0 \
                 and len(self.calls) >= STRAGGLER_WINDOW:
@@ -163,7 +176,7 @@ class Recorder:
         """Warn (rate-limited per rank) about a rank whose median compute over the last
         STRAGGLER_WINDOW calls stays above the others' by the rule's ratio and margin."""
         recent = list(itertools.islice(reversed(self.calls), STRAGGLER_WINDOW))
-        medians = [median([c.compute[r] for c in recent]) for r in range(self.world_size)]
+        medians = [median([row[4][r] for row in recent]) for r in range(self.world_size)]
         now = time.monotonic()
         for rank, mine in enumerate(medians):
             others = median(medians[:rank] + medians[rank + 1:])
