@@ -128,7 +128,7 @@ def run(args: argparse.Namespace, gif: GifWriter) -> list[tuple[str, np.ndarray]
                     firsts.append(first)
                     print(f"  step {step:2d}  chunk {result.chunk_index}  {n} frames"
                           f"  first frame {first * 1e3:5.1f} ms  step {dt * 1e3:6.1f} ms"
-                          f"  {n / dt:5.0f} frames/s")
+                          f"  {n / dt:5.0f} frames/s  {compute_per_rank(app.runner)}")
                     chunks.append((f"step {step}, chunk {result.chunk_index}: {prompt}",
                                    np.concatenate(received)))
                 step += 1
@@ -157,6 +157,15 @@ def write_sheet(chunks: list[tuple[str, np.ndarray]], path: Path, per_row: int =
         for c, i in enumerate(picks):
             sheet.paste(Image.fromarray(frames[i]), (c * (w + gap), y + cap))
     sheet.save(path)
+
+
+def compute_per_rank(runner) -> str:
+    """Each rank's seconds inside the model in the last step (runner.last_timings)."""
+    timings = runner.last_timings
+    if timings is None:
+        return ""
+    ranks = " ".join(f"{c * 1e3:.1f}" for c in timings.compute)
+    return f"compute per rank {ranks} ms (slowest: rank {timings.slowest_rank})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,6 +116,7 @@ def test_demo_runs_end_to_end_and_writes_gif_and_sheet(tmp_path, capsys):
     assert "rollout exhausted -> reset()" in printed
     assert "frames/s" in printed and "median step" in printed
     assert "first frame" in printed and "median first frame" in printed
+    assert "compute per rank" in printed and "(slowest: rank" in printed
     gif = Image.open(tmp_path / "demo.gif")
     assert gif.n_frames == 3 * 8  # 4 steps, one exhausted (recovered), 3 chunks shown
     sheet = Image.open(tmp_path / "demo_sheet.png")

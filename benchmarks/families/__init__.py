@@ -19,11 +19,13 @@ from benchmarks.families import (
     overhead,
     startup,
     streaming,
+    timings,
 )
 
 FAMILIES: tuple[tuple[str, ModuleType], ...] = (
     ("per-call overhead", overhead),
     ("asyncio per call", aio_calls),
+    ("per-call timings", timings),
     ("frames back", frames),
     ("streaming", streaming),
     ("input broadcast", broadcast),

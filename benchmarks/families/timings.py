@@ -1,0 +1,64 @@
+"""What the per-call timings cost (``runner.last_timings``, ``stats()``, the straggler
+check): ``runner.generate(1)`` on one echo runner (world_size 2) with
+``runner.record_timings`` on and off, timed in alternating blocks in the same run (the
+order flipping every round). The ranks always time their compute (two
+``perf_counter`` calls and one header field), so that part is in both. Target: the
+bookkeeping costs ≤ 5 µs a call. ``python -m benchmarks.timing_cost`` measures the
+same, and the caller's part alone in process.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+
+from benchmarks.config import Settings
+from benchmarks.families.overhead import INPUT
+from benchmarks.implementations.pools import EchoRunner
+from benchmarks.report.results import Results, Row
+from benchmarks.report.stats import record_calls, summarize
+
+WORLD_SIZE = 2
+TARGET_S = 5e-6
+METRIC = "timings"
+ON, OFF = "timings on", "timings off"
+
+
+def measure(settings: Settings, results: Results) -> None:
+    s = settings
+    echo = EchoRunner(WORLD_SIZE)
+    runner = echo.runner
+    try:
+        def block(on: bool) -> Callable[[int, list[float]], None]:
+            def run(n: int, into: list[float]) -> None:
+                runner.record_timings = on
+                record_calls(lambda: runner.generate(INPUT), n, into)
+            return run
+
+        blocks = {ON: block(True), OFF: block(False)}
+        for run in blocks.values():
+            run(s.aio_warmup, [])
+        gc.collect()
+        samples: dict[str, list[float]] = {k: [] for k in blocks}
+        size = max(1, -(-s.aio_calls // s.aio_rounds))
+        for r in range(s.aio_rounds):
+            for key in (list(blocks) if r % 2 == 0 else list(blocks)[::-1]):
+                blocks[key](size, samples[key])
+    finally:
+        echo.close()
+    for key, v in samples.items():
+        results.put(METRIC, f"ws{WORLD_SIZE}", key, summarize(v))
+
+
+def rows(results: Results, settings: Settings) -> list[Row]:
+    cfg = f"ws{WORLD_SIZE}"
+    on, off = results.get(METRIC, cfg, ON), results.get(METRIC, cfg, OFF)
+    row = Row(section=f"Per-call timings (echo worker, world_size {WORLD_SIZE})",
+              case="generate(1) with runner.last_timings and stats()", unit="us", ours=on,
+              floor=off, floor_label="the same runner with record_timings=False",
+              target="≤ +5 µs")
+    if on is not None and off is not None:
+        extra = on.median - off.median
+        row.target = f"≤ +5 µs ({extra * 1e6:+.1f} µs)"
+        row.met = extra <= TARGET_S
+    return [row]
