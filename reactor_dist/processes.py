@@ -36,6 +36,12 @@ from .protocol import MARK_ENV, torchrun_env
 # Python 3.10 has no process_group=: a new session also makes a new process group.
 OWN_PROCESS_GROUP: dict[str, Any] = (
     {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True})
+# A rank never looks in the working directory for modules: ``-m`` would put it first on
+# sys.path, and whoever may write there would run code in the rank before the bootstrap
+# is read.  The rank then takes the caller's own sys.path from the bootstrap.
+SAFE_PATH: list[str] = (["-P", "-m", "reactor_dist.rank"] if sys.version_info >= (3, 11) else
+                        ["-c", "import sys; del sys.path[0]; import runpy; "
+                               "runpy.run_module('reactor_dist.rank', run_name='__main__')"])
 POLL_MS = 20  # how often the watch checks ranks it has no pidfd for
 STACK_DUMP_WAIT = 0.5
 
@@ -188,7 +194,7 @@ class Ranks:
 
     def spawn(self, rank: int, bootstrap: bytes, *, master_port: int, env: dict[str, str],
               gpus: list[int] | None, launch_prefix: list[str]) -> None:
-        """Start rank ``rank``: ``python -m reactor_dist.rank`` (behind ``launch_prefix``)
+        """Start rank ``rank``: ``python -P -m reactor_dist.rank`` (behind ``launch_prefix``)
         with the torchrun environment and ``env``; the bootstrap goes to its stdin."""
         full_env = dict(os.environ)
         full_env.update(env)
@@ -200,7 +206,7 @@ class Ranks:
         if gpus is not None:
             full_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         prefix = [part.replace("{rank}", str(rank)) for part in launch_prefix]
-        cmd = prefix + [sys.executable, "-m", "reactor_dist.rank"]
+        cmd = prefix + [sys.executable, *SAFE_PATH]
         proc = RankProcess(rank, cmd, full_env, os.getcwd(), bootstrap)
         self.procs.append(proc)
         self.watch.watch(proc)
