@@ -13,6 +13,7 @@ import contextlib
 import functools
 import os
 import shutil
+import stat
 import tempfile
 from typing import Any
 
@@ -42,7 +43,9 @@ def reclaim_dead_ipc_dirs() -> None:
                 continue
             path = os.path.join(base, name)
             with contextlib.suppress(OSError):
-                if os.stat(path).st_uid == os.getuid() and not psutil.pid_exists(owner):
+                st = os.lstat(path)  # never a link, never another user's
+                if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and \
+                        not psutil.pid_exists(owner):
                     shutil.rmtree(path, ignore_errors=True)
 
 

@@ -121,17 +121,20 @@ class RankServer:
         self.channel.send(self.push_send, header, body)
 
     def on_runner_death(self) -> None:
-        shm.remove_prefix(self.boot.shm_dir, self.boot.shm_prefix)
-        # The runner's private ipc directory too: nobody else will ever remove it.
-        shutil.rmtree(os.path.dirname(self.boot.cmd_addr.removeprefix("ipc://")),
-                      ignore_errors=True)
-        for child in psutil.Process().children(recursive=True):
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
-        os.killpg(os.getpgrp(), signal.SIGKILL)
-        os._exit(1)
+        """Kill first, clean up after: whatever the cleanup meets, the group ends."""
+        try:
+            for child in psutil.Process().children(recursive=True):
+                try:
+                    child.kill()
+                except psutil.Error:
+                    pass
+            shm.remove_prefix(self.boot.shm_dir, self.boot.shm_prefix)
+            # The runner's private ipc directory too: nobody else will ever remove it.
+            shutil.rmtree(os.path.dirname(self.boot.cmd_addr.removeprefix("ipc://")),
+                          ignore_errors=True)
+        finally:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+            os._exit(1)
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> int:

@@ -6,7 +6,10 @@ Which segment may be reused when is the ledger's business
 Names (:func:`reactor_dist.protocol.segment_prefix`) carry the owner's pid and
 start time, so any later runner on the machine recognises entries whose owner is
 dead (pid gone or reused) and removes them; a live runner's entries are never
-touched.  Every entry is created 0600.
+touched.  Every entry is created 0600.  Removal touches only regular files owned by
+this user (lstat: a link is never followed); anything else in /dev/shm, another
+user's file or a directory squatting on a name, is left alone, and an error while
+removing is logged (logger ``reactor_dist``) and skipped, never raised.
 
 Capacity: before creating a segment we check the filesystem can hold it, and we
 reserve its pages with ``posix_fallocate`` so that a full /dev/shm is an ENOSPC
@@ -17,9 +20,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import secrets
+import stat
 from functools import lru_cache
 
 import numpy as np
@@ -34,6 +39,8 @@ LIMIT_ENV = "REACTOR_DIST_SHM_LIMIT"
 ALIGN = 64            # each buffer starts on a cache line
 GRANULE = 1 << 20     # segment sizes are rounded up to whole MiB so that sizes can be reused
 PAGE = mmap.PAGESIZE
+
+log = logging.getLogger("reactor_dist")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -153,10 +160,22 @@ class Segment:
 
 
 def unlink_quietly(path: str) -> None:
+    """Unlink one of our files; never raises (what cannot be removed is logged)."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    except OSError as exc:
+        log.warning("reactor_dist: could not remove %s: %s", path, exc)
+
+
+def _own_file(path: str) -> bool:
+    """Whether ``path`` is a regular file of this user (not followed if a link)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
 
 
 class PrivateView:
@@ -211,14 +230,16 @@ def remove_prefix(directory: str, prefix: str) -> int:
     except OSError:
         return 0
     for name in names:
-        if name.startswith(prefix + "."):
-            unlink_quietly(os.path.join(directory, name))
+        path = os.path.join(directory, name)
+        if name.startswith(prefix + ".") and _own_file(path):
+            unlink_quietly(path)
             removed += 1
     return removed
 
 
 def reclaim_dead_owners(directory: str) -> int:
-    """Unlink entries whose owning process is gone (killed runners); never a live one's."""
+    """Unlink our entries whose owning process is gone (killed runners); never a live
+    one's, nor another user's."""
     removed = 0
     try:
         names = os.listdir(directory)
@@ -227,12 +248,13 @@ def reclaim_dead_owners(directory: str) -> int:
     alive: dict[tuple[int, str], bool] = {}
     for name in names:
         key = segment_owner(name)
-        if key is None:
+        path = os.path.join(directory, name)
+        if key is None or not _own_file(path):
             continue
         if key not in alive:
             alive[key] = _owner_alive(*key)
         if not alive[key]:
-            unlink_quietly(os.path.join(directory, name))
+            unlink_quietly(path)
             removed += 1
     return removed
 

@@ -7,10 +7,43 @@ advance) and checks that the runner works and that nothing foreign is touched.
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import numpy as np
+import psutil
+import pytest
+import test_runner_death
 from sample_workers import Echo, FullArray
 
-from reactor_dist import DistributedRunner
+from reactor_dist import DistributedRunner, shm
+
+apps = test_runner_death.apps  # runners in a subprocess, to be killed
+
+
+@pytest.fixture
+def other_user():
+    """A second local user (removed afterwards): what it makes is not ours."""
+    if os.geteuid() != 0:
+        pytest.skip("creating a second user takes root")
+    name = f"rdt{os.urandom(3).hex()}"
+    subprocess.run(["useradd", "-M", "-N", "-s", "/usr/sbin/nologin", name], check=True)
+    try:
+        yield lambda *cmd: subprocess.run(["runuser", "-u", name, "--", *cmd], check=True)
+    finally:
+        subprocess.run(["userdel", name], check=False)
+
+
+def dead_pid() -> int:
+    pid = 4_000_000
+    while psutil.pid_exists(pid):
+        pid -= 1
+    return pid
+
+
+def small_runner(**kwargs) -> DistributedRunner:
+    return DistributedRunner(Echo, world_size=2, init_process_group=False, device="cpu",
+                             **kwargs)
 
 PLANTED = """
 import os
@@ -31,3 +64,48 @@ def test_a_module_planted_in_the_working_directory_never_runs_in_a_rank(tmp_path
         assert np.array_equal(runner.generate(x), x)
         assert runner.generate(FullArray([4 << 20])).nbytes == 4 << 20
     assert not marker.exists(), marker.read_text()
+
+
+def test_foreign_entries_in_dev_shm_neither_stop_a_runner_nor_are_touched(other_user):
+    """Another user's directory and file, named like a dead runner's entries (in a
+    sticky 1777 directory like /dev/shm, of this test's own: other runners on the
+    machine never look into it)."""
+    shm_dir = f"{shm.DEFAULT_DIR}/rdt-{os.urandom(4).hex()}"
+    os.mkdir(shm_dir)
+    os.chmod(shm_dir, 0o1777)
+    base = f"{shm_dir}/rdist.{dead_pid()}.1.ab"
+    foreign_dir, foreign_file = base + ".cd", base + ".in1"
+    try:
+        other_user("mkdir", foreign_dir)
+        other_user("touch", foreign_file)
+        with small_runner(shm_dir=shm_dir) as runner:
+            x = np.ones(1 << 20, np.uint8)
+            assert np.array_equal(runner.generate(x), x)
+        assert os.path.isdir(foreign_dir) and os.path.isfile(foreign_file)
+    finally:
+        subprocess.run(["rm", "-rf", shm_dir], check=False)
+
+
+def test_a_directory_squatting_on_a_runners_names_never_stops_its_shutdown(tmp_path):
+    squat = None
+    try:
+        with small_runner() as runner:
+            runner.generate(np.ones(1 << 20, np.uint8))
+            squat = f"{shm.DEFAULT_DIR}/{runner._transport.shm_prefix}.in99"
+            os.mkdir(squat)
+        assert os.path.isdir(squat)
+    finally:
+        if squat:
+            os.rmdir(squat)
+
+
+def test_ranks_end_after_a_sigkilled_runner_whatever_squats_in_dev_shm(apps):
+    app = apps("idle")
+    app.read_running()
+    squat = f"{shm.DEFAULT_DIR}/{app.info['prefix']}.squat"
+    os.mkdir(squat)
+    try:
+        since = app.kill()
+        test_runner_death.assert_all_gone_within(app.info["ranks"], since, bound=2.0)
+    finally:
+        os.rmdir(squat)
