@@ -24,6 +24,7 @@ only append to a queue, which the owning thread applies at its next operation.
 from __future__ import annotations
 
 import collections
+import secrets
 import weakref
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
@@ -33,18 +34,21 @@ import numpy as np
 
 from .shm import GRANULE, Segment, SharedSlotAllocationFailed
 
+NAME_TRIES = 8  # names taken by somebody else before we give up
+
 
 class Ledger:
     """The segments one side owns and lends out; ``keep_free`` idle ones stay warm."""
 
-    def __init__(self, directory: str, prefix: str, tag: str, keep_free: int = 2) -> None:
+    def __init__(self, directory: str, prefix: str, tag: str, keep_free: int = 2,
+                 token: Callable[[], str] = lambda: secrets.token_hex(8)) -> None:
         self.directory, self.prefix, self.tag, self.keep_free = directory, prefix, tag, keep_free
+        self.token = token  # a segment's name: prefix, tag and a random token (not a counter)
         self.segments: dict[str, Segment] = {}
         self.holders: dict[str, Counter] = {}  # name -> who still holds it; empty = idle
         self.idle: list[str] = []  # oldest first
         self._pending: collections.deque[tuple[str, Hashable]] = collections.deque()
         self._retired: list[str] = []
-        self._counter = 0
 
     def acquire(self, nbytes: int, what: str, holders: Iterable[Hashable]) -> Segment:
         """An idle segment of at least ``nbytes`` (smallest fit) or a new one, held by
@@ -55,18 +59,31 @@ class Ledger:
             name = min(fits, key=lambda n: self.segments[n].size)
             self.idle.remove(name)
         else:
-            self._counter += 1
-            name = f"{self.prefix}.{self.tag}{self._counter}"
             size = max(GRANULE, (nbytes + GRANULE - 1) // GRANULE * GRANULE)
             try:
-                self.segments[name] = Segment.create(self.directory, name, size, what)
+                seg = self._create(size, what)
             except SharedSlotAllocationFailed:
                 if not self.idle:  # idle segments that do not fit are worth less
                     raise
                 self._retire(keep=0)
-                self.segments[name] = Segment.create(self.directory, name, size, what)
+                seg = self._create(size, what)
+            name = seg.name
+            self.segments[name] = seg
         self.holders[name] = Counter(holders)
         return self.segments[name]
+
+    def _create(self, size: int, what: str) -> Segment:
+        """A new segment under a fresh unpredictable name; a name somebody took first
+        (/dev/shm is shared by every local user) is passed over for another."""
+        for _ in range(NAME_TRIES):
+            name = f"{self.prefix}.{self.tag}{self.token()}"
+            try:
+                return Segment.create(self.directory, name, size, what)
+            except FileExistsError:
+                continue
+        raise SharedSlotAllocationFailed(
+            f"cannot allocate shared memory for {what}: {NAME_TRIES} fresh names in "
+            f"{self.directory} were all taken already")
 
     def hold(self, name: str, holder: Hashable) -> None:
         self.holders[name][holder] += 1

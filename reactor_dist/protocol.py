@@ -199,7 +199,8 @@ def torchrun_env(rank: int, world_size: int, master_port: int) -> dict[str, str]
 # Inherited by every process a rank starts: finds them when the process tree no longer
 # does (their rank died and they left its process group, or a daemon double-forked).
 MARK_ENV = "REACTOR_DIST_RANK_MARK"
-# /dev/shm entries: rdist.<owner pid>.<owner start time, hex>.<runner token>.<tag><n>
+# /dev/shm entries: rdist.<owner pid>.<owner start time, hex>.<runner token>.<tag><token>
+# (tag: "in" for inputs, "r0-" for results; token: 16 random hex digits per segment)
 SEGMENT_PREFIX = "rdist"
 # The runner's private ipc directory: reactor-dist-<owner pid>-<random>
 IPC_DIR_PREFIX = "reactor-dist-"

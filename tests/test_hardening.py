@@ -16,7 +16,8 @@ import pytest
 import test_runner_death
 from sample_workers import Echo, FullArray
 
-from reactor_dist import DistributedRunner, shm
+from reactor_dist import DistributedRunner, SharedSlotAllocationFailed, shm
+from reactor_dist.ledger import NAME_TRIES, Ledger
 
 apps = test_runner_death.apps  # runners in a subprocess, to be killed
 
@@ -109,3 +110,33 @@ def test_ranks_end_after_a_sigkilled_runner_whatever_squats_in_dev_shm(apps):
         test_runner_death.assert_all_gone_within(app.info["ranks"], since, bound=2.0)
     finally:
         os.rmdir(squat)
+
+
+def test_names_taken_in_advance_do_not_stop_calls():
+    """Whoever sees one name cannot take the next ones: names carry a random token."""
+    runner = small_runner()
+    prefix = f"{shm.DEFAULT_DIR}/{runner._transport.shm_prefix}."
+    squatted = [f"{prefix}{tag}{n}" for tag in ("in", "r0-") for n in range(1, 40)]
+    for path in squatted:
+        open(path, "x").close()
+    try:
+        with runner:
+            held = [runner.generate(np.full(n << 20, n, np.uint8)) for n in (1, 2, 3, 4)]
+            assert [int(a[0]) for a in held] == [1, 2, 3, 4]
+            assert runner.generate(FullArray([5 << 20])).nbytes == 5 << 20
+    finally:
+        for path in squatted:
+            shm.unlink_quietly(path)
+
+
+def test_a_name_somebody_took_first_is_passed_over(tmp_path):
+    tokens = iter(["taken", "fresh", *["taken"] * NAME_TRIES])
+    (tmp_path / "p.intaken").write_bytes(b"not ours")
+    ledger = Ledger(str(tmp_path), "p", "in", token=lambda: next(tokens))
+    try:
+        assert ledger.acquire(100, "a test", ["r"]).name == "p.infresh"
+        with pytest.raises(SharedSlotAllocationFailed, match="taken"):
+            ledger.acquire(2 << 20, "a test", ["r"])
+        assert (tmp_path / "p.intaken").read_bytes() == b"not ours"
+    finally:
+        ledger.close()
