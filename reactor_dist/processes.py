@@ -73,6 +73,13 @@ class RankProcess:
             **OWN_PROCESS_GROUP,
         )
         self.pid = self.pgid = self.popen.pid
+        # Ours until the final kill: a dead rank is only looked at (waitid WNOWAIT through
+        # its pidfd), never reaped before end_ranks signalled its group, so that its pid,
+        # and with it the group id, cannot pass to another process meanwhile.
+        self.pidfd = -1
+        with contextlib.suppress(AttributeError, OSError):
+            self.pidfd = os.pidfd_open(self.pid)
+        self.returncode: int | None = None
         self.launcher_pid = self.pid  # differs when a launch_prefix wraps the rank
         self.output = RankOutput(rank, self.popen.stdout.fileno())
         try:  # The secret travels here, never in argv or the environment.
@@ -81,11 +88,24 @@ class RankProcess:
         except BrokenPipeError:
             pass  # died at once; the death notice tells the story
 
+    def poll(self) -> int | None:
+        """The exit code (negative: the signal) once the rank died, without reaping it."""
+        if self.returncode is None and self.pidfd < 0:
+            return self.popen.poll()  # no pidfd: reaps, and signal_group then refrains
+        if self.returncode is None:
+            with contextlib.suppress(ChildProcessError):
+                info = os.waitid(os.P_PIDFD, self.pidfd,
+                                 os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                if info is not None and info.si_pid:
+                    self.returncode = info.si_status if info.si_code == os.CLD_EXITED \
+                        else -info.si_status
+        return self.returncode
+
     def alive(self) -> bool:
-        return self.popen.poll() is None
+        return self.poll() is None
 
     def exit_description(self) -> str:
-        code = self.popen.poll()
+        code = self.poll()
         if code is None:
             return "still running"
         if code < 0:
@@ -101,6 +121,8 @@ class RankProcess:
         return f"rank {self.rank} (pid {self.pid}) {self.exit_description()}; last output:\n{shown}"
 
     def signal_group(self, sig: int) -> None:
+        if self.popen.returncode is not None:
+            return  # reaped: its pid, which named the group, may be somebody else's now
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pgid, sig)
 
@@ -111,6 +133,9 @@ class RankProcess:
             return []
 
     def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
         self.output.join(timeout=1.0)
         with contextlib.suppress(Exception):
             self.popen.stdout.close()

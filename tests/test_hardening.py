@@ -8,7 +8,9 @@ advance) and checks that the runner works and that nothing foreign is touched.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import time
 
 import numpy as np
 import psutil
@@ -16,7 +18,7 @@ import pytest
 import test_runner_death
 from sample_workers import Echo, FullArray
 
-from reactor_dist import DistributedRunner, SharedSlotAllocationFailed, shm
+from reactor_dist import DistributedRunner, SharedSlotAllocationFailed, WorkerCrashed, shm
 from reactor_dist.ledger import NAME_TRIES, Ledger
 
 apps = test_runner_death.apps  # runners in a subprocess, to be killed
@@ -140,3 +142,37 @@ def test_a_name_somebody_took_first_is_passed_over(tmp_path):
         assert (tmp_path / "p.intaken").read_bytes() == b"not ours"
     finally:
         ledger.close()
+
+
+def take_pid(pid: int, tries: int = 50) -> subprocess.Popen | None:
+    """A process leading a group of its own under ``pid`` if the kernel hands that pid
+    out again (ns_last_pid, root), else None (the pid is still taken)."""
+    for _ in range(tries):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    return None
+
+
+def test_shutdown_never_signals_the_group_of_a_rank_whose_pid_passed_on():
+    if os.geteuid() != 0:
+        pytest.skip("choosing the next pid (ns_last_pid) takes root")
+    stand_in = None
+    with small_runner() as runner:
+        victim = runner._transport.ranks.procs[1].pid
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(WorkerCrashed):
+            runner.generate(1)  # the crash is reported: its exit status was read
+        stand_in = take_pid(victim)
+    try:
+        if stand_in is not None:  # only where the runner let the pid go before its kill
+            time.sleep(0.1)
+            assert stand_in.poll() is None, "shutdown killed a process that took a dead rank's pid"
+    finally:
+        if stand_in is not None:
+            stand_in.kill()
+            stand_in.wait()
