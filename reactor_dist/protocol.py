@@ -202,6 +202,8 @@ MARK_ENV = "REACTOR_DIST_RANK_MARK"
 # /dev/shm entries: rdist.<owner pid>.<owner start time, hex>.<runner token>.<tag><token>
 # (tag: "in" for inputs, "r0-" for results; token: 16 random hex digits per segment)
 SEGMENT_PREFIX = "rdist"
+# <runner prefix>.lock: flock'ed by the live runner (its entries are not a dead owner's)
+OWNER_LOCK = "lock"
 # The runner's private ipc directory: reactor-dist-<owner pid>-<random>
 IPC_DIR_PREFIX = "reactor-dist-"
 

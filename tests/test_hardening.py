@@ -7,9 +7,14 @@ advance) and checks that the runner works and that nothing foreign is touched.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
+import textwrap
 import time
 
 import numpy as np
@@ -70,12 +75,8 @@ def test_a_module_planted_in_the_working_directory_never_runs_in_a_rank(tmp_path
 
 
 def test_foreign_entries_in_dev_shm_neither_stop_a_runner_nor_are_touched(other_user):
-    """Another user's directory and file, named like a dead runner's entries (in a
-    sticky 1777 directory like /dev/shm, of this test's own: other runners on the
-    machine never look into it)."""
-    shm_dir = f"{shm.DEFAULT_DIR}/rdt-{os.urandom(4).hex()}"
-    os.mkdir(shm_dir)
-    os.chmod(shm_dir, 0o1777)
+    """Another user's directory and file, named like a dead runner's entries."""
+    shm_dir = sticky_dir()
     base = f"{shm_dir}/rdist.{dead_pid()}.1.ab"
     foreign_dir, foreign_file = base + ".cd", base + ".in1"
     try:
@@ -176,3 +177,61 @@ def test_shutdown_never_signals_the_group_of_a_rank_whose_pid_passed_on():
         if stand_in is not None:
             stand_in.kill()
             stand_in.wait()
+
+
+NAMESPACED_APP = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    import numpy as np
+    from probe import Probe
+    from sample_workers import Echo
+    from reactor_dist import DistributedRunner
+
+    with DistributedRunner(Echo, world_size=2, init_process_group=False, device="cpu",
+                           shm_dir=sys.argv[1]) as runner:
+        x = np.arange(1 << 20, dtype=np.uint8)
+        runner.generate(x)  # leaves an idle input segment, kept warm
+        print(json.dumps({{"prefix": Probe(runner).shm_prefix}}), flush=True)
+        sys.stdin.readline()
+        print(json.dumps(bool(np.array_equal(runner.generate(x), x))), flush=True)
+""")
+
+
+def sticky_dir() -> str:
+    """A directory like /dev/shm (mode 1777, on tmpfs) that other runners on the machine
+    never look into: what happens there is this test's doing alone."""
+    path = f"{shm.DEFAULT_DIR}/rdt-{os.urandom(4).hex()}"
+    os.mkdir(path)
+    os.chmod(path, 0o1777)
+    return path
+
+
+def test_a_runner_in_another_pid_namespace_keeps_its_segments(tmp_path):
+    """Its pid means nothing outside: a host runner's start must not take it for dead."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a pid namespace takes root and unshare(1)")
+    script = tmp_path / "app.py"
+    script.write_text(NAMESPACED_APP.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    shm_dir = sticky_dir()
+    app = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(script), shm_dir],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    try:
+        json.loads(app.stdout.readline())
+        entries = sorted(os.listdir(shm_dir))
+        assert any(".in" in name for name in entries)
+        with small_runner(shm_dir=shm_dir) as runner:
+            runner.generate(1)
+        assert sorted(os.listdir(shm_dir)) == entries
+        app.stdin.write("go\n")
+        app.stdin.flush()
+        assert json.loads(app.stdout.readline()) is True
+        assert app.wait(30) == 0
+    finally:
+        with contextlib.suppress(psutil.Error):  # the namespace's init: ends it all
+            for p in psutil.Process(app.pid).children():
+                p.kill()
+        app.kill()
+        app.wait()
+        shutil.rmtree(shm_dir, ignore_errors=True)
