@@ -51,6 +51,12 @@ from typing import Any, BinaryIO, NamedTuple
 MAC_SIZE = 32      # keyed BLAKE2b-256
 SECRET_SIZE = 32   # the per-runner key
 EMBED_LIMIT = 4096  # a first body frame up to this size travels inside the header
+# The largest frame any bus socket accepts (ZMQ_MAXMSGSIZE; a bigger one drops its
+# sender's connection before it is read).  Headers and inline buffers are under 64 KiB;
+# what can be large is a payload's pickle stream, which carries in-band data (bytes,
+# str, lists: arrays and tensors go out of band).  Senders refuse a bigger stream.
+MAX_FRAME_ENV = "REACTOR_DIST_MAX_FRAME"
+MAX_FRAME_DEFAULT = 256 << 20
 MAC_ONE_FRAME, MAC_FRAMES = b"reactor-dist/1", b"reactor-dist/n"  # MAC personalizations
 
 # -- header fields ------------------------------------------------------------------------

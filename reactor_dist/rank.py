@@ -107,11 +107,11 @@ class RankServer:
     # -- plumbing ------------------------------------------------------------------
     def connect(self) -> None:
         self.ctx = zmq.Context()
-        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub = wire.bounded(self.ctx.socket(zmq.SUB))
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.setsockopt(zmq.RCVHWM, 0)
         self.sub.connect(self.boot.cmd_addr)
-        self.push = self.ctx.socket(zmq.PUSH)
+        self.push = wire.bounded(self.ctx.socket(zmq.PUSH))
         self.push.setsockopt(zmq.LINGER, 2000)
         self.push.connect(self.boot.reply_addr)
         self.push_send = wire.direct_send(self.push)

@@ -28,8 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from . import wire
 from .ledger import Ledger
-from .protocol import Descriptor, Place
+from .protocol import MAX_FRAME_ENV, Descriptor, Place
 from .shm import align
 
 # Measured (benchmarks/inline_threshold.py): below ~64 KiB a ZeroMQ frame copy is cheaper
@@ -94,6 +95,11 @@ def encode(obj: Any, ledger: Ledger, what: str, holders: Iterable[Hashable],
     before anything was sent.  ``holders`` hold every segment the payload lies in.
     """
     stream, buffers = dumps(obj)
+    if len(stream) > wire.MAX_FRAME:  # the receiver would drop it unread
+        raise ValueError(
+            f"{what} pickles to {len(stream) >> 20} MiB in-band, above the bus's bound of "
+            f"{wire.MAX_FRAME >> 20} MiB ({MAX_FRAME_ENV}); numpy arrays and tensors travel "
+            f"in shared memory instead, bytes and str do not")
     if not buffers:
         return [], [stream], []
     holders = list(holders)

@@ -21,9 +21,9 @@ import numpy as np
 import psutil
 import pytest
 import test_runner_death
-from sample_workers import Echo, FullArray
+from sample_workers import Echo, FullArray, Step
 
-from reactor_dist import DistributedRunner, SharedSlotAllocationFailed, WorkerCrashed, shm
+from reactor_dist import DistributedRunner, SharedSlotAllocationFailed, WorkerCrashed, shm, wire
 from reactor_dist.ledger import NAME_TRIES, Ledger
 
 apps = test_runner_death.apps  # runners in a subprocess, to be killed
@@ -235,3 +235,67 @@ def test_a_runner_in_another_pid_namespace_keeps_its_segments(tmp_path):
         app.kill()
         app.wait()
         shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+FLOOD = textwrap.dedent("""
+    import sys, zmq
+    push = zmq.Context().socket(zmq.PUSH)
+    push.connect(sys.argv[1])
+    big = bytes(512 << 20)
+    for _ in range(3):
+        push.send(big)
+    push.close(linger=10000)
+""")
+
+
+def peak_rss_reset() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+
+
+def peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
+
+
+def test_huge_forged_frames_cost_the_runner_no_memory_and_no_call(tmp_path):
+    """A stranger on the reply socket sends 512 MiB frames while calls run (1 s timeout)."""
+    with small_runner(call_timeout=1) as runner:
+        runner.generate(1)
+        peak_rss_reset()
+        before = peak_rss()
+        flood = subprocess.Popen([sys.executable, "-c", FLOOD,
+                                  f"ipc://{runner._transport.ipc_dir}/reply"])
+        try:
+            deadline = time.monotonic() + 4
+            calls = 0
+            while time.monotonic() < deadline or flood.poll() is None and calls < 400:
+                assert runner.generate(calls) == calls
+                calls += 1
+            assert flood.wait(30) == 0
+            assert runner.generate("still") == "still" and runner.healthy
+        finally:
+            flood.kill()
+            flood.wait()
+        assert peak_rss() - before < 128 << 20, f"peak grew by {(peak_rss() - before) >> 20} MiB"
+
+
+class Blob(Step):
+    """A result that pickles in-band: ``n`` bytes."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def run(self, worker):
+        return b"x" * self.n
+
+
+def test_a_payload_too_big_for_the_bus_is_refused_by_its_sender(monkeypatch):
+    monkeypatch.setenv("REACTOR_DIST_MAX_FRAME", str(1 << 20))  # the ranks'
+    monkeypatch.setattr(wire, "MAX_FRAME", 1 << 20)  # and the runner's
+    with small_runner() as runner:
+        with pytest.raises(TypeError, match="above the bus's bound"):
+            runner.generate(b"x" * (2 << 20))
+        with pytest.raises(Exception, match="above the bus's bound"):
+            runner.generate(Blob(2 << 20))
+        assert runner.generate(Blob(1000)) == b"x" * 1000 and runner.healthy
