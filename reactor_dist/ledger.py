@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .shm import GRANULE, Segment, SharedSlotAllocationFailed
+from .shm import GRANULE, Segment, SharedSlotAllocationFailed, capacity
 
 NAME_TRIES = 8  # names taken by somebody else before we give up
 
@@ -84,6 +84,10 @@ class Ledger:
         raise SharedSlotAllocationFailed(
             f"cannot allocate shared memory for {what}: {NAME_TRIES} fresh names in "
             f"{self.directory} were all taken already")
+
+    def room(self) -> int:
+        """Bytes a new segment could have at most: free space plus the idle segments."""
+        return capacity(self.directory)[1] + sum(self.segments[n].size for n in self.idle)
 
     def hold(self, name: str, holder: Hashable) -> None:
         self.holders[name][holder] += 1

@@ -299,3 +299,21 @@ def test_a_payload_too_big_for_the_bus_is_refused_by_its_sender(monkeypatch):
         with pytest.raises(Exception, match="above the bus's bound"):
             runner.generate(Blob(2 << 20))
         assert runner.generate(Blob(1000)) == b"x" * 1000 and runner.healthy
+
+
+def test_a_non_contiguous_input_too_big_for_shm_fails_before_any_copy(monkeypatch):
+    shm_dir = sticky_dir()
+    monkeypatch.setenv(shm.LIMIT_ENV, str(64 << 20))
+    try:
+        with small_runner(shm_dir=shm_dir) as runner:
+            base = np.ones(200 << 20, np.uint8)
+            strided = base[::2]  # 100 MiB, copied to be pickled
+            peak_rss_reset()
+            before = peak_rss()
+            with pytest.raises(SharedSlotAllocationFailed, match="100.0 MiB"):
+                runner.generate(strided)
+            assert peak_rss() - before < 32 << 20, "the input was copied before it was refused"
+            x = np.arange(1 << 20, dtype=np.uint8)[::2]
+            assert np.array_equal(runner.generate(x), x) and runner.healthy
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
