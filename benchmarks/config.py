@@ -52,6 +52,17 @@ class Settings:
     startup_world_sizes: tuple[int, ...] = (1, 2, 4)
     startup_trials: int = 3
     payloads: tuple[Payload, ...] = PAYLOADS
+    # streaming: a step of stream_items items of stream_item_bytes, compute between them
+    stream_items: int = 8
+    stream_item_bytes: int = 12_000_000
+    stream_reps: int = 6  # np.sin passes per item: about 10 ms of compute on this machine
+    stream_steps: int = 30  # timed steps (and as many timed computes alone)
+    stream_warmup: int = 3
+    stream_rounds: int = 5
+    # asyncio: agenerate(1) and astream(1) against generate(1), alternating blocks
+    aio_calls: int = 2000
+    aio_warmup: int = 200
+    aio_rounds: int = 10
 
 
 FULL = Settings(quick=False)
@@ -74,4 +85,10 @@ QUICK = Settings(
     sink_world_sizes=(2,),
     startup_world_sizes=(2,),
     startup_trials=1,
+    stream_steps=8,
+    stream_warmup=1,
+    stream_rounds=2,
+    aio_calls=300,
+    aio_warmup=50,
+    aio_rounds=4,
 )

@@ -2,14 +2,17 @@
 
 Runs :class:`video_app.VideoApp` (the product document's application) around the
 sequence-parallel ``VideoWorker`` for several prompts; the rollout runs out part-way and
-the app resets it, one step is paused. It prints each step's latency and frames/s and
-writes the frames the client would have received as an animated GIF and a PNG contact
-sheet under ``out/``.
+the app resets it, one step is paused. Each step is streamed: the model yields its chunk
+in groups of frames and each group reaches the client's track, and from there the GIF
+writer, as soon as rank 0 has it. It prints each step's time to first frame beside its
+whole time and frames/s, and writes the frames the client received as an animated GIF
+and a PNG contact sheet under ``out/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -42,16 +45,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps-per-prompt", type=int, default=3)
     p.add_argument("--chunks-per-rollout", type=int, default=4)
     p.add_argument("--frames", type=int, default=16, help="frames per chunk (one step)")
+    p.add_argument("--frames-per-group", type=int, default=4,
+                   help="frames per streamed group (rounded up to a multiple of world size)")
     p.add_argument("--height", type=int, default=128)
     p.add_argument("--width", type=int, default=224)
     p.add_argument("--out", type=Path, default=Path("out"))
     return p.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> list[tuple[str, np.ndarray]]:
-    """Drive the app; return (caption, frames) for every chunk the client received."""
+class GifWriter:
+    """Takes each group of frames as it reaches the client; encodes the GIF at ``close()``.
+
+    ``add`` copies the frames out of the runner's shared memory (so the segment goes back
+    at once) and leaves the palette encoding, tens of ms a frame, for the end: done per
+    group it would compete with the ranks for the CPU and slow the steps it times.
+    """
+
+    def __init__(self, path: Path, fps: int = 16) -> None:
+        self.path, self.fps = path, fps
+        self.frames: list[np.ndarray] = []
+
+    def add(self, frames: np.ndarray) -> None:
+        self.frames.extend(np.array(frames))
+
+    def close(self) -> None:
+        images = [Image.fromarray(f) for f in self.frames]
+        images[0].save(self.path, save_all=True, append_images=images[1:],
+                       duration=1000 // self.fps, loop=0)
+
+
+def run(args: argparse.Namespace, gif: GifWriter) -> list[tuple[str, np.ndarray]]:
+    """Drive the app, handing each group of frames to ``gif`` as it arrives; return
+    (caption, frames) for every chunk the client received."""
     prompts = args.prompts or PROMPTS
-    load_kwargs = {"frames_per_chunk": args.frames, "height": args.height, "width": args.width,
+    load_kwargs = {"frames_per_chunk": args.frames, "frames_per_group": args.frames_per_group,
+                   "height": args.height, "width": args.width,
                    "chunks_per_rollout": args.chunks_per_rollout}
     app = VideoApp(world_size=args.world_size, device=args.device, load_kwargs=load_kwargs)
     t = time.perf_counter()
@@ -59,11 +87,13 @@ def run(args: argparse.Namespace) -> list[tuple[str, np.ndarray]]:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    group = math.lcm(args.frames_per_group, args.world_size)
     print(f"started {args.world_size} ranks ({device}) in {time.perf_counter() - t:.1f} s;"
-          f" {args.frames} frames of {args.width}x{args.height} per step,"
-          f" {args.chunks_per_rollout} chunks per rollout")
+          f" {args.frames} frames of {args.width}x{args.height} per step in groups of"
+          f" {group}, {args.chunks_per_rollout} chunks per rollout")
     chunks: list[tuple[str, np.ndarray]] = []
     latencies: list[float] = []
+    firsts: list[float] = []
     step = 0
     try:
         for i, prompt in enumerate(prompts):
@@ -78,35 +108,40 @@ def run(args: argparse.Namespace) -> list[tuple[str, np.ndarray]]:
                 app.state.paused = False
                 step += 1
             for _ in range(args.steps_per_prompt):
+                first = None
+                received: list[np.ndarray] = []
                 t = time.perf_counter()
-                out = app.step()
+                for _out in app.stream_step():
+                    if first is None:
+                        first = time.perf_counter() - t
+                    for frames in app.output.take():  # what the client got: to the GIF now
+                        gif.add(frames)
+                        received.append(frames)
                 dt = time.perf_counter() - t
-                if out is None:
+                if first is None:
                     assert app.last_outcome and isinstance(app.last_outcome.error, RolloutExhausted)
                     print(f"  step {step:2d}  rollout exhausted -> reset() in {dt * 1e3:.1f} ms")
                 else:
                     result = app.last_outcome.result
-                    n = out.main_video.shape[0]
+                    n = sum(len(f) for f in received)
                     latencies.append(dt)
+                    firsts.append(first)
                     print(f"  step {step:2d}  chunk {result.chunk_index}  {n} frames"
-                          f"  {dt * 1e3:6.1f} ms  {n / dt:6.0f} frames/s")
-                    for frames in app.output.take():
-                        chunks.append((f"step {step}, chunk {result.chunk_index}: {prompt}",
-                                       np.array(frames)))
+                          f"  first frame {first * 1e3:5.1f} ms  step {dt * 1e3:6.1f} ms"
+                          f"  {n / dt:5.0f} frames/s")
+                    chunks.append((f"step {step}, chunk {result.chunk_index}: {prompt}",
+                                   np.concatenate(received)))
                 step += 1
         app.on_session_ended()
     finally:
         app.close()
     warm = latencies[1:] or latencies
+    warm_first = firsts[1:] or firsts
     med = statistics.median(warm)
-    print(f"median step {med * 1e3:.1f} ms, {args.frames / med:.0f} frames/s"
+    print(f"median first frame {statistics.median(warm_first) * 1e3:.1f} ms,"
+          f" median step {med * 1e3:.1f} ms, {args.frames / med:.0f} frames/s"
           f" (world_size {args.world_size}, first step excluded)")
     return chunks
-
-
-def write_gif(chunks: list[tuple[str, np.ndarray]], path: Path, fps: int = 16) -> None:
-    frames = [Image.fromarray(f) for _, c in chunks for f in c]
-    frames[0].save(path, save_all=True, append_images=frames[1:], duration=1000 // fps, loop=0)
 
 
 def write_sheet(chunks: list[tuple[str, np.ndarray]], path: Path, per_row: int = 6) -> None:
@@ -126,13 +161,13 @@ def write_sheet(chunks: list[tuple[str, np.ndarray]], path: Path, per_row: int =
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    chunks = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    gif, sheet = args.out / "demo.gif", args.out / "demo_sheet.png"
-    write_gif(chunks, gif)
+    gif, sheet = GifWriter(args.out / "demo.gif"), args.out / "demo_sheet.png"
+    chunks = run(args, gif)
+    gif.close()
     write_sheet(chunks, sheet)
     n = sum(len(c) for _, c in chunks)
-    print(f"wrote {gif} ({n} frames) and {sheet} ({len(chunks)} chunks)")
+    print(f"wrote {gif.path} ({n} frames) and {sheet} ({len(chunks)} chunks)")
     return 0
 
 

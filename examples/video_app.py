@@ -3,8 +3,13 @@
 In Reactor, ``VideoApp`` is a ``ReactorApp``: the platform calls ``process_input``,
 ``generate`` and ``process_output`` once per step, runs commands (``reset``) and hooks
 (session end) between steps, and streams ``VideoOutput`` to the client. Here
-:meth:`VideoApp.step` plays the platform's part for one step and a :class:`Track`
+:meth:`VideoApp.stream_step` plays the platform's part for one step and a :class:`Track`
 stands in for the client's video track, so the same flow runs from a terminal or a test.
+
+The step is streamed: ``generate`` returns ``runner.stream(input)``, the model yields
+its chunk in groups of frames, and each group goes through ``process_output`` onto the
+track as soon as rank 0 has it, so the client's first frames do not wait for the
+chunk's end.
 Everything else -- what goes to the runner, the ``RolloutExhausted`` -> ``reset()``
 recovery, pausing, "any other error: shut down and re-raise", and the session-end
 choice between reset and shutdown -- is the document's code.
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from reactor_dist import DistributedRunner
+from reactor_dist.stream import Stream
 
 # The example models are the checkout's top-level ``workers`` package, which the
 # reactor-dist wheel does not install, and ``python examples/video_app.py`` puts only
@@ -50,7 +57,7 @@ class VideoState:
 
 @dataclass
 class StepOutcome:
-    """One step's result or the exception its ``generate`` raised."""
+    """One item of a step's stream (a group of frames), or the exception the step raised."""
 
     result: VideoResult | None = None
     error: BaseException | None = None
@@ -58,7 +65,7 @@ class StepOutcome:
 
 @dataclass
 class VideoOutput:
-    main_video: np.ndarray  # (T, H, W, 3) uint8
+    main_video: np.ndarray  # (G, H, W, 3) uint8: one group of the chunk's frames
 
 
 @dataclass
@@ -107,8 +114,9 @@ class VideoApp:
             raise ApplicationError("paused")
         return VideoInput(prompt=self.state.prompt)
 
-    def generate(self, input: VideoInput) -> VideoResult:
-        return self.runner.generate(input)
+    def generate(self, input: VideoInput) -> Stream:
+        """Streamed: the chunk's groups of frames, each as soon as rank 0 yields it."""
+        return self.runner.stream(input)
 
     def process_output(self, outcome: StepOutcome) -> VideoOutput | None:
         if isinstance(outcome.error, RolloutExhausted):
@@ -134,19 +142,38 @@ class VideoApp:
             self.runner.shutdown()
 
     # -- the platform's part ---------------------------------------------------------
-    def step(self) -> VideoOutput | None:
-        """One platform step: input, generate, output. None when skipped or recovered."""
+    def stream_step(self) -> Iterator[VideoOutput]:
+        """One platform step: input, generate, then ``process_output`` for each item as it
+        arrives, yielding its output. Yields nothing when skipped or recovered."""
         try:
             inp = self.process_input()
         except ApplicationError:
             self.last_outcome = None
-            return None
+            return
+        items = None
         try:
-            outcome = StepOutcome(result=self.generate(inp))
-        except Exception as exc:  # the platform hands every step error to process_output
-            outcome = StepOutcome(error=exc)
-        self.last_outcome = outcome
-        return self.process_output(outcome)
+            while True:
+                try:
+                    if items is None:  # refused at once: input does not pickle, unusable
+                        items = self.generate(inp)
+                    outcome = StepOutcome(result=next(items))
+                except StopIteration:
+                    return
+                except Exception as exc:  # the platform hands every step error over
+                    outcome = StepOutcome(error=exc)
+                self.last_outcome = outcome
+                output = self.process_output(outcome)
+                if output is None:
+                    return  # recovered (process_output raises what it cannot recover)
+                yield output
+        finally:
+            if items is not None:  # left early: the step ends on every rank, rest unread
+                items.close()
+
+    def step(self) -> list[VideoOutput] | None:
+        """One whole step (:meth:`stream_step` to its end): the outputs of its groups in
+        order, or None when skipped or recovered."""
+        return list(self.stream_step()) or None
 
     def close(self) -> None:
         """Process exit: stop the workers (the runner also does this at interpreter exit)."""
@@ -165,11 +192,16 @@ def main() -> None:
     try:
         for i in range(args.steps):
             t = time.perf_counter()
-            out = app.step()
+            first, frames, groups = None, 0, 0
+            for out in app.stream_step():
+                if first is None:
+                    first = time.perf_counter() - t
+                frames += out.main_video.shape[0]
+                groups += 1
             ms = (time.perf_counter() - t) * 1e3
-            what = (f"{out.main_video.shape[0]} frames" if out is not None
-                    else "rollout exhausted -> reset")
-            print(f"step {i}: {what} in {ms:.0f} ms")
+            print(f"step {i}: {frames} frames in {groups} groups, first after"
+                  f" {first * 1e3:.0f} ms, all in {ms:.0f} ms" if first is not None
+                  else f"step {i}: rollout exhausted -> reset in {ms:.0f} ms")
         app.on_session_ended()
     finally:
         app.close()

@@ -46,10 +46,12 @@ class PendingCall:
     taken (a stream's, or a generate() of a generator worker's)."""
 
     __slots__ = ("seq", "method", "timeout", "what", "replies", "items", "abandoned",
-                 "generator")
+                 "generator", "started", "sent")
 
-    def __init__(self, seq: int, method: str, timeout: float | None) -> None:
+    def __init__(self, seq: int, method: str, timeout: float | None, started: float = 0.0,
+                 sent: float = 0.0) -> None:
         self.seq, self.method, self.timeout = seq, method, timeout
+        self.started, self.sent = started, sent  # perf_counter: send() began, CALL published
         self.what = f"{method}() (call {seq})"
         self.replies: Replies = {}
         self.items: collections.deque[Any] = collections.deque()
@@ -101,6 +103,7 @@ class CallPath:
 
     def send(self, method: str, value: Any, timeout: float | None) -> PendingCall:
         """Publish one call; raises (having sent nothing) when it can't."""
+        started = time.perf_counter()
         assert self.ranks is not None and self.bus is not None
         if self.ranks.watch.fired:
             dead = self.ranks.dead()
@@ -109,6 +112,7 @@ class CallPath:
         header: dict[str, Any] = {Field.KIND: Kind.CALL, Field.METHOD: method}
         body: list = [b""]
         if method == Method.GENERATE:
+            self.inputs.new_call()
             try:
                 descriptors, body, _ = transfer.encode(
                     value, self.inputs, "the input of generate()", holders=range(self.world_size))
@@ -135,7 +139,7 @@ class CallPath:
         if retired:
             header[Field.RETIRED] = retired
         self.bus.publish(header, body)
-        return PendingCall(seq, method, timeout)
+        return PendingCall(seq, method, timeout, started, time.perf_counter())
 
     def next_item(self, pending: PendingCall) -> Any:
         """The next of rank 0's items (``ENDED`` once every rank answered); an item that
@@ -148,6 +152,12 @@ class CallPath:
         if isinstance(item, Undecodable):
             raise item.error
         return item
+
+    def compute(self, pending: PendingCall) -> tuple[float, ...]:
+        """Each rank's seconds inside its worker method (Field.COMPUTE of its REPLY)."""
+        replies = pending.replies
+        return tuple([replies[rank][0].get(Field.COMPUTE, 0.0)
+                      for rank in range(self.world_size)])
 
     def outcomes(self, pending: PendingCall) -> list[Outcome]:
         """Every rank's Outcome; rank 0's result is decoded only when every rank returned

@@ -36,9 +36,15 @@ from .shm import GRANULE, Segment, SharedSlotAllocationFailed, capacity
 
 NAME_TRIES = 8  # names taken by somebody else before we give up
 
+# How many idle segments stay warm: at least ``keep_free``, and as many as one call
+# acquired among the last WARM_WINDOW calls (a stream of 8 items needs 8 every step), but
+# never more than WARM_MOST for that reason.  Results held across calls do not count:
+# dropping them returns their memory.
+WARM_WINDOW, WARM_MOST = 32, 16
+
 
 class Ledger:
-    """The segments one side owns and lends out; ``keep_free`` idle ones stay warm."""
+    """The segments one side owns and lends out; idle ones stay warm for reuse."""
 
     def __init__(self, directory: str, prefix: str, tag: str, keep_free: int = 2,
                  token: Callable[[], str] = lambda: secrets.token_hex(8)) -> None:
@@ -49,6 +55,7 @@ class Ledger:
         self.idle: list[str] = []  # oldest first
         self._pending: collections.deque[tuple[str, Hashable]] = collections.deque()
         self._retired: list[str] = []
+        self._per_call: collections.deque[int] = collections.deque([0], maxlen=WARM_WINDOW)
 
     def acquire(self, nbytes: int, what: str, holders: Iterable[Hashable]) -> Segment:
         """An idle segment of at least ``nbytes`` (smallest fit) or a new one, held by
@@ -70,6 +77,7 @@ class Ledger:
             name = seg.name
             self.segments[name] = seg
         self.holders[name] = Counter(holders)
+        self._per_call[-1] += 1
         return self.segments[name]
 
     def _create(self, size: int, what: str) -> Segment:
@@ -88,6 +96,10 @@ class Ledger:
     def room(self) -> int:
         """Bytes a new segment could have at most: free space plus the idle segments."""
         return capacity(self.directory)[1] + sum(self.segments[n].size for n in self.idle)
+
+    def new_call(self) -> None:
+        """A call starts: count its acquisitions apart (see WARM_WINDOW)."""
+        self._per_call.append(0)
 
     def hold(self, name: str, holder: Hashable) -> None:
         self.holders[name][holder] += 1
@@ -134,7 +146,7 @@ class Ledger:
                 del held[holder]
             if not held and name not in self.idle:
                 self.idle.append(name)
-        self._retire(self.keep_free)
+        self._retire(max(self.keep_free, min(max(self._per_call), WARM_MOST)))
 
     def _retire(self, keep: int) -> None:
         while len(self.idle) > keep:

@@ -1,14 +1,16 @@
 """A rank's stdout and stderr: forwarded line by line, the last lines kept.
 
 Both streams share one pipe.  A reader thread forwards each line to the
-application's stderr, prefixed ``[rank N]``, and keeps the last
-:data:`TAIL_LINES` for crash and timeout reports.
+application's stderr, prefixed ``[rank N]`` (or, with ``rank_output="log"``, as an
+INFO record of the ``reactor_dist.rank`` logger, with a ``rank`` attribute), and
+keeps the last :data:`TAIL_LINES` for crash and timeout reports.
 """
 
 from __future__ import annotations
 
 import collections
 import fcntl
+import logging
 import os
 import select
 import struct
@@ -18,13 +20,16 @@ import threading
 import time
 
 TAIL_LINES = 200  # enough for a faulthandler dump of every thread
+OUTPUT_MODES = ("stderr", "log")  # where a rank's lines go (DistributedRunner rank_output=)
+rank_log = logging.getLogger("reactor_dist.rank")
 
 
 class RankOutput:
     """The reader of one rank's output pipe."""
 
-    def __init__(self, rank: int, fd: int) -> None:
+    def __init__(self, rank: int, fd: int, mode: str = "stderr") -> None:
         self.rank = rank
+        self.to_log = mode == "log"
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.lines_seen = 0
         self.last_output = 0.0  # monotonic time of the latest line
@@ -74,6 +79,9 @@ class RankOutput:
         self.lines_seen += 1
         self.last_output = time.monotonic()
         if self.muted:
+            return
+        if self.to_log:
+            rank_log.info("[rank %d] %s", self.rank, line, extra={"rank": self.rank})
             return
         try:
             sys.stderr.write(f"[rank {self.rank}] {line}\n")

@@ -64,7 +64,7 @@ class RankProcess:
     """One rank's subprocess and its output."""
 
     def __init__(self, rank: int, cmd: list[str], env: dict[str, str], cwd: str,
-                 bootstrap: bytes) -> None:
+                 bootstrap: bytes, output: str = "stderr") -> None:
         self.rank = rank
         self.mark = f"{os.getpid()}-{id(self):x}-{os.urandom(4).hex()}"
         self.popen = subprocess.Popen(
@@ -81,7 +81,7 @@ class RankProcess:
             self.pidfd = os.pidfd_open(self.pid)
         self.returncode: int | None = None
         self.launcher_pid = self.pid  # differs when a launch_prefix wraps the rank
-        self.output = RankOutput(rank, self.popen.stdout.fileno())
+        self.output = RankOutput(rank, self.popen.stdout.fileno(), output)
         try:  # The secret travels here, never in argv or the environment.
             self.popen.stdin.write(bootstrap)
             self.popen.stdin.close()
@@ -212,8 +212,10 @@ class DeathWatch:
 class Ranks:
     """The rank processes of one runner."""
 
-    def __init__(self, world_size: int, on_death: Callable[[list[int]], None]) -> None:
+    def __init__(self, world_size: int, on_death: Callable[[list[int]], None],
+                 output: str = "stderr") -> None:
         self.world_size = world_size
+        self.output = output  # where the ranks' lines go (output.OUTPUT_MODES)
         self.procs: list[RankProcess] = []
         self.watch = DeathWatch(on_death)
 
@@ -232,7 +234,7 @@ class Ranks:
             full_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         prefix = [part.replace("{rank}", str(rank)) for part in launch_prefix]
         cmd = prefix + [sys.executable, *SAFE_PATH]
-        proc = RankProcess(rank, cmd, full_env, os.getcwd(), bootstrap)
+        proc = RankProcess(rank, cmd, full_env, os.getcwd(), bootstrap, self.output)
         self.procs.append(proc)
         self.watch.watch(proc)
 

@@ -10,9 +10,14 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
     ping      ->   handshake, every 20 ms     -
     pong      <-   answer to each ping        PID (the rank's own pid), PORT (rank 0's
                                               rendezvous store, else 0)
+    progress  <-   a phase of start() begins  PHASE ("importing", "forming the group",
+                   (import, group, load), or  "loading"); for load()'s own reports DONE,
+                   load() reported progress   TOTAL (numbers; TOTAL may be absent), UNIT
     init      ->   once every rank ponged     PORT (rank 0's store port)
     ready     <-   load() returned or raised  STATUS, ERROR, DEVICE (the rank's device,
-                                              e.g. "cpu" or "cuda:0", once chosen)
+                                              e.g. "cpu" or "cuda:0", once chosen),
+                                              LOAD_SECONDS (load()'s duration, a float),
+                                              GROUP_SECONDS (forming the group's)
     call      ->   generate() / reset()       METHOD, DESCRIPTORS (input buffers),
                                               RELEASED (result segments the caller let
                                               go), RETIRED (input segments unlinked)
@@ -22,7 +27,9 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
                    (a generator: ran out)     result), ITEMS (how many items rank 0
                                               sent, for a generator), RELEASED (input
                                               segments the rank let go), RETIRED
-                                              (result segments rank 0 unlinked)
+                                              (result segments rank 0 unlinked), COMPUTE
+                                              (seconds inside the worker method, a float
+                                              duration on the rank's monotonic clock)
     shutdown  ->   graceful shutdown          -
     death     (inproc, the runner's death watch to its own PULL socket) RANK = who died
 
@@ -78,6 +85,13 @@ class Field:
     INDEX = "i"
     ITEMS = "n"
     DEVICE = "dev"
+    COMPUTE = "c"
+    LOAD_SECONDS = "ls"
+    GROUP_SECONDS = "gs"
+    PHASE = "ph"
+    DONE = "dn"
+    TOTAL = "tt"
+    UNIT = "u"
 
 
 class Kind:
@@ -85,9 +99,10 @@ class Kind:
 
     PING, INIT, CALL, SHUTDOWN = "ping", "init", "call", "shutdown"  # runner -> every rank
     PONG, READY, REPLY, ITEM = "pong", "ready", "reply", "item"  # one rank -> runner
+    PROGRESS = "progress"  # one rank -> runner, during start()
     DEATH = "death"  # the runner's death watch -> its own PULL socket
     COMMANDS = frozenset({PING, INIT, CALL, SHUTDOWN})
-    REPLIES = frozenset({PONG, READY, REPLY, ITEM})
+    REPLIES = frozenset({PONG, READY, REPLY, ITEM, PROGRESS})
     ALL = COMMANDS | REPLIES | {DEATH}
     TO_RUNNER = REPLIES | {DEATH}  # what the runner's PULL socket accepts
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import inspect
+import logging
 import os
 import pickle
 import select
@@ -38,9 +39,11 @@ import zmq
 from . import shm, transfer, wire
 from .errors import SharedSlotAllocationFailed, describe, pickle_exception
 from .ledger import Ledger, Mapped
+from .progress import FORMING, IMPORTING, LOADING, Reporter
 from .protocol import Bootstrap, Field, Kind, Method, Status
 from .validation import import_worker_class
 
+log = logging.getLogger("reactor_dist")  # no handler here: its lines reach [rank N] output
 # Who holds a segment of rank 0's result ledger.
 CALLER, WORKER = "caller", "worker"
 
@@ -103,6 +106,8 @@ class RankServer:
         self.inputs = Mapped(lambda name: shm.PrivateView(boot.shm_dir, name),
                              lambda name: "/" not in name and name.startswith(prefix))
         self.unchecked: set[str] = set()  # released input views not yet checked for writes
+        self.inside = 0.0  # seconds inside the running generator step (run_steps)
+        self.progress = Reporter(self.send)  # Kind.PROGRESS during start-up
 
     # -- plumbing ------------------------------------------------------------------
     def connect(self) -> None:
@@ -147,7 +152,7 @@ class RankServer:
             except wire.ProtocolError as exc:
                 self.rejected += 1
                 if self.rejected <= 3:  # say it, but never flood the log
-                    print(f"reactor-dist: rejected a message: {exc}", file=sys.stderr)
+                    log.warning("reactor-dist: rejected a message: %s", exc)
                 continue
             kind = header[Field.KIND]
             if kind == Kind.PING:
@@ -170,6 +175,7 @@ class RankServer:
         for the import side by side rather than one after the other."""
         if not (self.boot.init_process_group and self.world_size > 1):
             return 0
+        self.progress.phase(IMPORTING)
         from torch.distributed import TCPStore
 
         if self.rank != 0:
@@ -188,9 +194,15 @@ class RankServer:
             if port:
                 os.environ["MASTER_PORT"] = str(port)
             device = reply[Field.DEVICE] = choose_device(self.boot.device, self.rank)
+            began = time.perf_counter()
             if self.boot.init_process_group and self.world_size > 1:
+                self.progress.phase(FORMING)
                 self.form_group(device, port)
+                reply[Field.GROUP_SECONDS] = time.perf_counter() - began
+            self.progress.phase(LOADING)
+            began = time.perf_counter()
             self.worker = self.boot_worker(device)
+            reply[Field.LOAD_SECONDS] = time.perf_counter() - began
         except BaseException as exc:
             reply[Field.STATUS], reply[Field.ERROR] = Status.RAISED, describe(exc)
             body = [pickle_exception(exc) or b""]
@@ -213,6 +225,7 @@ class RankServer:
         worker.rank, worker.world_size, worker.device = self.rank, self.world_size, device
         if self.rank == 0:
             worker._reactor_allocate = self.shared_empty
+        worker._reactor_progress = self.progress.report
         worker.load(**pickle.loads(self.boot.load_kwargs))
         return worker
 
@@ -224,23 +237,31 @@ class RankServer:
         retired = header.get(Field.RETIRED)
         if retired:
             self.inputs.unmap(retired)
+        self.results.new_call()
         reply: dict[str, Any] = {Field.KIND: Kind.REPLY, Field.SEQ: header[Field.SEQ],
                                  Field.STATUS: Status.OK}
         payload: list = []
         error: BaseException | None = None
         value = result = None
         generate = header[Field.METHOD] == Method.GENERATE
+        began = 0.0
         try:
             if generate:
                 value = transfer.decode(header.get(Field.DESCRIPTORS), body, self.input_base)
+                began = time.perf_counter()
                 result = self.worker.generate(value)
                 del value
                 if inspect.isgenerator(result):
-                    reply[Field.ITEMS], error = self.run_steps(header[Field.SEQ], result)
+                    started, began = time.perf_counter() - began, 0.0
+                    try:
+                        reply[Field.ITEMS], error = self.run_steps(header[Field.SEQ], result)
+                    finally:
+                        reply[Field.COMPUTE] = started + self.inside
                     result = None
                     if error is not None:
                         reply[Field.STATUS] = Status.UNDELIVERABLE
             else:
+                began = time.perf_counter()
                 self.worker.reset()
         except SharedSlotAllocationFailed as exc:
             # shared_empty() allocates on rank 0 alone: a full /dev/shm there is a
@@ -252,6 +273,8 @@ class RankServer:
         except BaseException as exc:
             reply[Field.STATUS], error = Status.RAISED, exc
             value = result = None
+        if began:
+            reply[Field.COMPUTE] = time.perf_counter() - began
         if error is None and generate and self.rank == 0 and Field.ITEMS not in reply:
             try:
                 descriptors, payload, _ = transfer.encode(
@@ -280,38 +303,46 @@ class RankServer:
         """Run a generator worker's step to its end (its collectives are inside it); rank
         0 sends each item as it is yielded.  An item rank 0 cannot send is a delivery
         failure: the rest of the step still runs, its items are not sent.  Returns how
-        many items were yielded and the delivery failure, if any."""
+        many items were yielded and the delivery failure, if any; ``self.inside`` adds
+        up the seconds spent inside the generator (sending items is not counted)."""
         count, failure = 0, None
+        self.inside, began = 0.0, time.perf_counter()
         try:
             for item in steps:
+                self.inside += time.perf_counter() - began
                 index, count = count, count + 1
-                if self.rank != 0 or failure is not None:
-                    continue
-                what = f"item {index} of generate() on rank 0"
-                try:
-                    descriptors, payload, _ = transfer.encode(
-                        item, self.results, what, holders=(CALLER,), reuse_segments=True)
-                except SharedSlotAllocationFailed as exc:
-                    failure = exc
-                    continue
-                except Exception as exc:
-                    failure = TypeError(
-                        f"{what} (a {type(item).__name__}) cannot be pickled "
-                        f"({type(exc).__name__}: {exc}); items must pickle like results")
-                    failure.__cause__ = exc
-                    continue
+                if self.rank == 0 and failure is None:
+                    failure = self.send_item(seq, index, item)
                 del item
-                message: dict[str, Any] = {Field.KIND: Kind.ITEM, Field.SEQ: seq,
-                                           Field.INDEX: index}
-                if descriptors:
-                    message[Field.DESCRIPTORS] = descriptors
-                retired = self.results.take_retired()
-                if retired:
-                    message[Field.RETIRED] = retired
-                self.send(message, payload)
-        finally:
+                began = time.perf_counter()
+        finally:  # the last next(): the generator ran out or raised
+            self.inside += time.perf_counter() - began
             steps.close()
         return count, failure
+
+    def send_item(self, seq: int, index: int, item: Any) -> BaseException | None:
+        """Rank 0 sends one item; the delivery failure, if it cannot."""
+        what = f"item {index} of generate() on rank 0"
+        try:
+            descriptors, payload, _ = transfer.encode(
+                item, self.results, what, holders=(CALLER,), reuse_segments=True)
+        except SharedSlotAllocationFailed as exc:
+            return exc
+        except Exception as exc:
+            failure = TypeError(
+                f"{what} (a {type(item).__name__}) cannot be pickled "
+                f"({type(exc).__name__}: {exc}); items must pickle like results")
+            failure.__cause__ = exc
+            return failure
+        del item
+        message: dict[str, Any] = {Field.KIND: Kind.ITEM, Field.SEQ: seq, Field.INDEX: index}
+        if descriptors:
+            message[Field.DESCRIPTORS] = descriptors
+        retired = self.results.take_retired()
+        if retired:
+            message[Field.RETIRED] = retired
+        self.send(message, payload)
+        return None
 
     def check_written_views(self) -> None:
         """Drop mappings this rank wrote to; runs after the reply, off the caller's clock."""

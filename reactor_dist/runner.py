@@ -21,6 +21,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Sequence
+from time import perf_counter
 from types import EllipsisType
 from typing import Any
 
@@ -28,9 +29,11 @@ from . import aio
 from .calls import PendingCall
 from .errors import WorkerCrashed, WorkerTimeout
 from .outcome import judge
+from .output import OUTPUT_MODES
 from .protocol import Method
 from .shm import DEFAULT_DIR
 from .stream import Stream
+from .timings import CallTimings, Recorder, Stats
 from .transport import Transport
 from .validation import (
     check_load_kwargs,
@@ -73,8 +76,10 @@ class DistributedRunner:
     (physical GPU ids, one per rank; sets CUDA_VISIBLE_DEVICES), ``env`` (extra
     environment of the ranks), ``launch_prefix`` (wraps each rank's command,
     ``{rank}`` substituted), ``shm_dir``, ``keep_free_segments`` (idle warm
-    segments each pool keeps) and ``shutdown_grace`` (seconds a healthy group
-    gets to exit before SIGTERM).
+    segments each pool keeps), ``shutdown_grace`` (seconds a healthy group
+    gets to exit before SIGTERM) and ``rank_output`` ("stderr": each rank's lines,
+    ``[rank N]``-prefixed, on this process's stderr; "log": as INFO records of the
+    ``reactor_dist.rank`` logger).
     """
 
     def __init__(self, worker_cls: type, *, world_size: int = 1,
@@ -83,7 +88,7 @@ class DistributedRunner:
                  device: str = "auto", gpus: Sequence[int] | None = None,
                  env: dict[str, str] | None = None, launch_prefix: Sequence[str] = (),
                  shm_dir: str = DEFAULT_DIR, keep_free_segments: int = 2,
-                 shutdown_grace: float = 5.0) -> None:
+                 shutdown_grace: float = 5.0, rank_output: str = "stderr") -> None:
         check_not_rerunning_main()  # a rank re-running a script without its __main__ guard
         self._world_size = check_world_size(world_size)
         check_methods(worker_cls)
@@ -91,6 +96,8 @@ class DistributedRunner:
         kwargs = check_load_kwargs(load_kwargs)
         self.call_timeout = _check_timeout("call_timeout", call_timeout)
         self.start_timeout = _check_timeout("start_timeout", start_timeout)
+        if rank_output not in OUTPUT_MODES:
+            raise ValueError(f"rank_output must be 'stderr' or 'log', got {rank_output!r}")
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
         if gpus is not None:
@@ -111,7 +118,7 @@ class DistributedRunner:
             launch_prefix=[str(p) for p in launch_prefix], shm_dir=shm_dir,
             keep_free=keep_free_segments,
             start_timeout=self.start_timeout or 365 * 24 * 3600.0,
-            shutdown_grace=shutdown_grace)
+            shutdown_grace=shutdown_grace, rank_output=rank_output)
         self._state = [NEW]  # a list, shared with the finalizer
         self._failure: BaseException | None = None
         self._lock = threading.RLock()
@@ -123,6 +130,7 @@ class DistributedRunner:
         self._tasks_loop: asyncio.AbstractEventLoop | None = None
         self._abandoned: PendingCall | None = None  # a stream left early, still running
         self._finalizer = weakref.finalize(self, _close, self._transport, self._state)
+        self._timings = Recorder(world_size)
 
     # -- properties -----------------------------------------------------------------------
     @property
@@ -134,6 +142,31 @@ class DistributedRunner:
         """True between a successful start() and a crash, timeout, desync or shutdown.
         Only reads: a rank that died while idle is reported by the next call."""
         return self._state[0] == READY and not self._transport.dead()
+
+    # -- timings (reactor_dist.timings) ------------------------------------------------------
+    @property
+    def last_timings(self) -> CallTimings | None:
+        """Where the seconds of the latest answered call went: ``wall``, ``compute`` (per
+        rank), ``slowest_rank``, ``encode``, ``wait``, ``decode``; None before the first."""
+        return self._timings.last
+
+    @property
+    def record_timings(self) -> bool:
+        """Whether calls are timed (default: on; ``REACTOR_DIST_TIMINGS=0`` turns it off)."""
+        return self._timings.enabled
+
+    @record_timings.setter
+    def record_timings(self, on: bool) -> None:
+        self._timings.enabled = bool(on)
+
+    def stats(self, reset: bool = False) -> Stats:
+        """Per-rank compute and the overhead (count, p50, p90, p99) over the calls since
+        start or the last reset (the latest 10,000 of them); ``str()`` is a table."""
+        return self._timings.stats(reset)
+
+    def reset_stats(self) -> None:
+        """Forget the calls that stats() summarises."""
+        self._timings.reset()
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -272,8 +305,15 @@ class DistributedRunner:
 
     def _answer(self, pending: PendingCall) -> Any:
         """The value of a call every rank answered, or the contract's error (which may
-        leave the runner unusable)."""
-        verdict = judge(pending.method, self._transport.outcomes(pending))
+        leave the runner unusable); records the call's timings."""
+        answered = perf_counter()
+        try:
+            verdict = judge(pending.method, self._transport.outcomes(pending))
+        finally:
+            timings = self._timings
+            if timings.enabled:
+                timings.record(pending.started, pending.sent, answered, perf_counter(),
+                               self._transport.compute(pending))
         if verdict.error is None:
             return verdict.value
         if verdict.breaks:

@@ -10,6 +10,7 @@ flow of one call is drawn in docs/design.md and in :mod:`reactor_dist.calls`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import shutil
@@ -32,6 +33,7 @@ from .errors import (
 )
 from .ledger import Ledger, Mapped
 from .processes import Ranks, free_port
+from .progress import Display
 from .protocol import (
     SECRET_SIZE,
     Bootstrap,
@@ -43,6 +45,7 @@ from .protocol import (
 )
 
 PING_EVERY = 0.02  # handshake: until every rank answered (PUB/SUB's slow joiner)
+log = logging.getLogger("reactor_dist")
 
 
 class Transport(CallPath):
@@ -52,8 +55,10 @@ class Transport(CallPath):
     def __init__(self, *, worker: WorkerRef, world_size: int, load_kwargs: dict[str, Any],
                  init_process_group: bool, device: str, gpus: list[int] | None,
                  env: dict[str, str], launch_prefix: list[str], shm_dir: str,
-                 keep_free: int, start_timeout: float, shutdown_grace: float) -> None:
+                 keep_free: int, start_timeout: float, shutdown_grace: float,
+                 rank_output: str = "stderr") -> None:
         self.world_size = world_size
+        self.rank_output = rank_output
         self.secret = os.urandom(SECRET_SIZE)
         self.shm_dir = shm_dir
         self.shm_prefix = shm.new_runner_prefix()
@@ -71,6 +76,7 @@ class Transport(CallPath):
         self.ranks: Ranks | None = None
         self.ipc_dir: str | None = None
         self._owner_lock = -1  # held from start() to close(): see shm.hold_owner_lock
+        self.display: Display | None = None  # start()'s progress display
         self._worker, self._load_kwargs = worker, pickle.dumps(load_kwargs, protocol=5)
         self._init_process_group, self._device = init_process_group, device
         self._start_timeout, self._keep_free = start_timeout, keep_free
@@ -88,12 +94,22 @@ class Transport(CallPath):
         reclaim_dead_ipc_dirs()
         self.ipc_dir = private_dir()
         self.bus = Bus(self.secret, self.ipc_dir, self.world_size)
-        self.ranks = Ranks(self.world_size, self.bus.tell_death)
+        self.ranks = Ranks(self.world_size, self.bus.tell_death, self.rank_output)
+        self.display = Display(self.world_size)
+        try:
+            self.start_ranks(deadline, timeout)
+        finally:
+            self.display.close()
+
+    def start_ranks(self, deadline: float, timeout: float) -> None:
+        assert self.ranks is not None and self.bus is not None
         # For models that form their own group (init_process_group=False): one port for
         # all ranks. With our group, rank 0's store binds port 0 and Kind.INIT carries its port.
         master_port = free_port()
         for rank in range(self.world_size):
             self._spawn(rank, master_port)
+        log.info("started %d rank%s (pids %s)", self.world_size, "s" if self.world_size > 1
+                 else "", ", ".join(str(p.pid) for p in self.ranks.procs))
         bus = self.bus
         pongs = self.handshake(Kind.PONG, deadline - time.monotonic(), timeout,
                                ping=lambda: bus.publish({Field.KIND: Kind.PING, Field.SEQ: 0}))
@@ -104,6 +120,7 @@ class Transport(CallPath):
         ready = self.handshake(Kind.READY, deadline - time.monotonic(), timeout,
                                first_error=True)
         self.devices = [str(ready[r][0].get(Field.DEVICE)) for r in sorted(ready)]
+        self.log_ready(ready)
         for rank, (header, body) in ready.items():
             if header.get(Field.STATUS) == Status.RAISED:
                 exc = rebuild_exception(ErrorRecord.parse(header.get(Field.ERROR)),
@@ -111,6 +128,21 @@ class Transport(CallPath):
                 if isinstance(exc, MainGuardMissing):
                     raise exc from None  # its own message says all; the rank's stack is noise
                 raise exc
+
+    def log_ready(self, ready: Replies) -> None:
+        """One record for the group, one per rank's load() (each rank's own seconds)."""
+        if len(ready) < self.world_size:
+            return  # a load() raised: its exception is what start() reports
+        formed = [ready[r][0].get(Field.GROUP_SECONDS) for r in sorted(ready)]
+        if all(isinstance(s, float) for s in formed):
+            log.info("rank group formed (torch.distributed, %d ranks) in %.2f s",
+                     self.world_size, max(formed))
+        for rank in sorted(ready):
+            header = ready[rank][0]
+            seconds = header.get(Field.LOAD_SECONDS)
+            log.info("rank %d: load() done in %.2f s on %s", rank,
+                     seconds if isinstance(seconds, float) else float("nan"),
+                     header.get(Field.DEVICE), extra={"rank": rank, "load_seconds": seconds})
 
     def _spawn(self, rank: int, master_port: int) -> None:
         assert self.bus is not None and self.ranks is not None
@@ -149,6 +181,8 @@ class Transport(CallPath):
                 replies[rank] = message
                 if first_error and header.get(Field.STATUS) == Status.RAISED:
                     return {rank: message}
+            elif header[Field.KIND] == Kind.PROGRESS and self.display is not None:
+                self.display.update(header)
             elif header[Field.KIND] == Kind.DEATH:
                 raise self.crashed(self.ranks.dead() or [rank], "start()")
         return replies
@@ -160,8 +194,10 @@ class Transport(CallPath):
 
     def crashed(self, dead: list[int], what: str) -> WorkerCrashed:
         assert self.ranks is not None
-        return WorkerCrashed(f"rank {', '.join(map(str, dead))} died during {what}: "
-                             f"{self.ranks.crash_report(dead)}")
+        error = WorkerCrashed(f"rank {', '.join(map(str, dead))} died during {what}: "
+                              f"{self.ranks.crash_report(dead)}")
+        log.error("%s", error)
+        return error
 
     def timed_out(self, silent: list[int], timeout: float | None, what: str,
                   replies: Replies) -> WorkerTimeout:
@@ -194,6 +230,8 @@ class Transport(CallPath):
                     self.bus.publish({Field.KIND: Kind.SHUTDOWN, Field.SEQ: self.seq + 1})
                 grace = self.shutdown_grace
             self.ranks.end(grace)
+            log.info("shut down %d rank%s (%s)", len(procs), "s" if len(procs) != 1 else "",
+                     "gracefully" if grace else "without grace")
         if self.bus is not None:
             self.bus.close()
             self.bus = None

@@ -25,6 +25,7 @@ class DistributedWorker:
     world_size: int = 1
     device: str = "cpu"
     _reactor_allocate = None  # set by the rank's serve loop: rank 0's shared-memory allocator
+    _reactor_progress = None  # set by the rank's serve loop: sends Kind.PROGRESS
 
     @property
     def is_leader(self) -> bool:
@@ -32,6 +33,15 @@ class DistributedWorker:
 
     def load(self, **load_kwargs: Any) -> None:
         """Build the model once; weights stay loaded between calls."""
+
+    def report_progress(self, done: float, total: float | None = None, unit: str = "") -> None:
+        """From ``load()``: say how far it got (``self.report_progress(3, 10, "shards")``);
+        the caller sees it while ``start()`` waits (a progress bar in a terminal, else
+        log records).  Reports closer than 50 ms apart are dropped, but never the last
+        one (``done >= total``).  Outside a rank it does nothing."""
+        report = self._reactor_progress
+        if report is not None:
+            report(done, total, unit)
 
     def generate(self, input: Any, /) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement generate()")

@@ -29,6 +29,14 @@ def test_quick_bench_runs_and_writes_results(tmp_path: Path) -> None:
     assert list(tmp_path.glob("*.png")), list(tmp_path.iterdir())
     text = mds[0].read_text()
     assert "generate(1), world_size 2" in text
+    # The streaming and asyncio rows, each with its target judged (yes or NO).
+    for case in ("stream(): time to first item, keep_free_segments=8",
+                 "stream(): whole step, keep_free_segments=8",
+                 "stream(): time to first item, default keep_free_segments=2",
+                 "await runner.agenerate(1)", "async for over runner.astream(1), one item"):
+        [line] = [ln for ln in text.splitlines() if ln.startswith(f"| {case} |")]
+        if "first item" in case or "runner.a" in case:
+            assert line.rstrip(" |").endswith(("| yes", "| NO")), line
     assert "Problems in this run" not in text
     assert "generate(1), world_size 2" in proc.stdout  # the table reached stdout
     assert (REPO / "README.md").read_bytes() == readme_before  # only a full run writes it

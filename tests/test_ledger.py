@@ -9,7 +9,7 @@ import os
 import pytest
 
 from reactor_dist import SharedSlotAllocationFailed, shm
-from reactor_dist.ledger import Ledger, Mapped
+from reactor_dist.ledger import WARM_MOST, WARM_WINDOW, Ledger, Mapped
 from reactor_dist.shm import GRANULE
 
 
@@ -39,12 +39,42 @@ def test_hold_adds_a_holder_that_must_release_too(ledger):
 
 
 def test_idle_segments_beyond_keep_free_are_retired_oldest_first(ledger, tmp_path):
-    names = [ledger.acquire(100, "test", holders=["h"]).name for _ in range(3)]
+    names = []
+    for _ in range(3):  # three calls, a segment each, all still held
+        ledger.new_call()
+        names.append(ledger.acquire(100, "test", holders=["h"]).name)
     for name in names:
         ledger.release(name, "h")
     assert ledger.take_retired() == names[:2]  # keep_free=1: the newest idle one stays warm
     assert ledger.take_retired() == []         # told once
     assert sorted(os.listdir(tmp_path)) == [names[2]]
+
+
+def test_as_many_stay_warm_as_one_recent_call_used(ledger, tmp_path):
+    ledger.new_call()  # a stream: three items in one call
+    names = [ledger.acquire(100, "test", holders=["h"]).name for _ in range(3)]
+    for name in names:
+        ledger.release(name, "h")
+    assert ledger.take_retired() == []  # the next step will need three again
+    for _ in range(WARM_WINDOW):  # then calls of one segment, long enough to forget it
+        ledger.new_call()
+        ledger.release(ledger.acquire(100, "test", holders=["h"]).name, "h")
+    retired = ledger.take_retired()
+    assert len(retired) == 2 and set(retired) < set(names)  # keep_free=1 stays warm
+    assert len(os.listdir(tmp_path)) == 1
+
+
+def test_at_most_warm_most_stay_warm_for_a_big_call(tmp_path):
+    book = Ledger(str(tmp_path), shm.new_runner_prefix(), "t", keep_free=2)
+    try:
+        book.new_call()
+        names = [book.acquire(10, "test", holders=["h"]).name for _ in range(WARM_MOST + 4)]
+        for name in names:
+            book.release(name, "h")
+        assert book.take_retired() == names[:4]  # the oldest idle ones go first
+        assert len(os.listdir(tmp_path)) == WARM_MOST
+    finally:
+        book.close()
 
 
 def test_a_release_twice_or_by_a_stranger_changes_nothing(ledger):

@@ -39,7 +39,10 @@ def test_the_wheel_holds_reactor_dist_alone(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         metadata = zf.read("reactor_dist-0.1.0.dist-info/METADATA").decode()
+        scripts = zf.read("reactor_dist-0.1.0.dist-info/entry_points.txt").decode()
     tops = {name.split("/", 1)[0] for name in names}
     assert tops == {"reactor_dist", "reactor_dist-0.1.0.dist-info"}, sorted(names)
     assert "reactor_dist/py.typed" in names and "reactor_dist/__init__.py" in names
     assert "License-Expression: Apache-2.0" in metadata
+    assert "reactor-dist = reactor_dist.__main__:main" in scripts
+    assert "reactor-dist-worker = reactor_dist.rank:main" in scripts

@@ -45,3 +45,11 @@ def test_streaming_example_runs_as_printed(tmp_path):
 def test_asyncio_example_runs_as_printed(tmp_path):
     (block,) = readme_blocks("asyncio")
     assert run_block(tmp_path, block).splitlines() == ["[0, 2, 4]", "42"]
+
+
+def test_seeing_inside_a_step_example_runs_as_printed(tmp_path):
+    block, = readme_blocks("Seeing inside a step")
+    lines = run_block(tmp_path, block).splitlines()
+    assert lines[:2] == ["1 True True", "3 [3, 3]"]
+    assert lines[2].split() == ["count", "p50", "ms", "p90", "ms", "p99", "ms"]
+    assert [line.split()[0] for line in lines[3:]] == ["rank", "rank", "overhead", "wall"]

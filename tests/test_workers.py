@@ -76,37 +76,65 @@ def test_video_refuses_a_world_size_that_does_not_divide():
         ParallelVideoModel(rank=0, world_size=3, **VIDEO)
 
 
+def test_video_refuses_groups_that_do_not_divide_the_chunk():
+    with pytest.raises(ValueError, match=r"frames_per_group=3 at world_size 1 gives groups of 3"
+                                         r" frames .* must divide frames_per_chunk=8"):
+        ParallelVideoModel(rank=0, world_size=1, frames_per_group=3, **VIDEO)
+    # Groups are rounded up to a multiple of world_size: 4 frames at world_size 8 -> 8.
+    assert ParallelVideoModel(rank=0, world_size=8, **VIDEO).G == 8
+
+
 @functools.lru_cache(maxsize=1)
 def video_reference() -> tuple[np.ndarray, ...]:
-    model = ParallelVideoModel(rank=0, world_size=1, **VIDEO)
-    return tuple(model.generate(step).frames for step in VIDEO_STEPS)
+    """Each step's chunk at world_size 1, rendered in one piece (one group of 8 frames)."""
+    model = ParallelVideoModel(rank=0, world_size=1, frames_per_group=8, **VIDEO)
+    chunks = []
+    for step in VIDEO_STEPS:
+        [whole] = model.generate(step)
+        chunks.append(whole.frames)
+    return tuple(chunks)
 
 
-def assert_equal_to_world_size_1(results: list) -> None:
-    for i, (result, want) in enumerate(zip(results, video_reference(), strict=True)):
-        assert result.chunk_index == i and result.first_frame == i * 8
-        frames = result.frames
-        assert frames.shape == (8, 64, 112, 3) and frames.dtype == np.uint8
-        assert frames.flags.c_contiguous
+def assert_equal_to_world_size_1(steps: list, group: int = 4) -> None:
+    """Each step's groups, in order, are the step's chunk at world_size 1, byte for byte."""
+    for i, (items, want) in enumerate(zip(steps, video_reference(), strict=True)):
+        assert len(items) == 8 // group
+        for g, item in enumerate(items):
+            assert item.chunk_index == i and item.first_frame == i * 8 + g * group
+            assert item.frames.shape == (group, 64, 112, 3) and item.frames.dtype == np.uint8
+            assert item.frames.flags.c_contiguous
+        frames = np.concatenate([item.frames for item in items])
         assert np.array_equal(frames, want), f"chunk {i}: {np.sum(frames != want)} values differ"
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_video_groups_at_world_size_1_equal_the_whole_chunk(group):
+    model = ParallelVideoModel(rank=0, world_size=1, frames_per_group=group, **VIDEO)
+    assert_equal_to_world_size_1([list(model.generate(step)) for step in VIDEO_STEPS], group)
 
 
 def test_video_rollout_at_world_size_2_equals_world_size_1_then_exhausts_and_resets():
     with DistributedRunner(VideoWorker, world_size=2, load_kwargs=VIDEO, device="cpu") as runner:
-        assert_equal_to_world_size_1([runner.generate(step) for step in VIDEO_STEPS])
+        # Streamed: each group of 4 frames arrives on its own.
+        assert_equal_to_world_size_1([list(runner.stream(step)) for step in VIDEO_STEPS])
         for _ in range(2):  # exhausted, and stays so until reset()
             with pytest.raises(RolloutExhausted, match="after 3 chunks"):
-                runner.generate(VIDEO_STEPS[0])
+                list(runner.stream(VIDEO_STEPS[0]))
             assert runner.healthy  # every rank raised the same type: recoverable
+        with pytest.raises(RolloutExhausted, match="after 3 chunks"):
+            runner.generate(VIDEO_STEPS[0])
         runner.reset()
-        # A new rollout with the same weights: the same frames again, chunk by chunk.
+        # A new rollout with the same weights: the same frames again, chunk by chunk; not
+        # streamed, generate() returns the chunk's groups as a list.
         assert_equal_to_world_size_1([runner.generate(step) for step in VIDEO_STEPS])
         assert runner.healthy
 
 
 def test_video_frames_at_world_size_4_equal_world_size_1():
-    with DistributedRunner(VideoWorker, world_size=4, load_kwargs=VIDEO, device="cpu") as runner:
-        assert_equal_to_world_size_1([runner.generate(step) for step in VIDEO_STEPS])
+    load_kwargs = {**VIDEO, "frames_per_group": 2}  # rounded up to 4: one frame per rank
+    with DistributedRunner(VideoWorker, world_size=4, load_kwargs=load_kwargs,
+                           device="cpu") as runner:
+        assert_equal_to_world_size_1([list(runner.stream(step)) for step in VIDEO_STEPS])
 
 
 def test_video_frames_are_coherent_and_follow_the_prompt():
@@ -118,6 +146,7 @@ def test_video_frames_are_coherent_and_follow_the_prompt():
     seam = step[7]  # last frame of chunk 0 -> first frame of chunk 1
     assert seam < 2 * np.median(step), step
     assert np.abs(np.diff(video, axis=2)).mean() < 20  # neighbouring pixels agree (noise: ~85)
-    other = ParallelVideoModel(rank=0, world_size=1, **VIDEO)
-    assert np.abs(other.generate(VideoInput("Neon city.", seed=7)).frames
+    other = ParallelVideoModel(rank=0, world_size=1, frames_per_group=8, **VIDEO)
+    [chunk] = other.generate(VideoInput("Neon city.", seed=7))
+    assert np.abs(chunk.frames
                   - video_reference()[0].astype(np.int16)).mean() > 30

@@ -1,26 +1,31 @@
 """A sequence-parallel video generator: each rank renders its slice of a chunk's frames.
 
 The model is small but it is a real sequence-parallel computation, laid out the way
-autoregressive video models split work across GPUs:
+autoregressive video models split work across GPUs. A step renders one chunk of frames
+(16 by default) in groups (4 frames by default) and yields each group as soon as it is
+done, so the first frames reach the caller long before the chunk's end. For each group:
 
 * a latent video (travelling waves plus smooth value noise, seeded from the prompt and
-  the rollout) is built frame by frame -- each rank builds only its own frames;
+  the rollout) is built frame by frame -- each rank builds only its own frames of the
+  group;
 * a causal sliding-window temporal attention layer mixes every frame with the frames
   just before it: each rank computes keys/values for its own frames and ``all_gather``
-  hands every rank the whole chunk's (the cross-rank dependence); the previous chunk's
-  last frames are kept as context, so chunks continue each other without a seam;
+  hands every rank the whole group's (the cross-rank dependence); the last frames before
+  the group (of earlier groups, and of the previous chunk) are kept as context, so
+  groups and chunks continue each other without a seam;
 * a small conv decoder upsamples the latents and maps them through a colour palette;
-* the uint8 frames are gathered onto rank 0, straight into a shared-memory buffer from
-  ``shared_empty`` so that returning them to the caller costs no copy.
+* the group's uint8 frames are gathered onto rank 0, straight into a shared-memory
+  buffer from ``shared_empty`` so that handing them to the caller costs no copy.
 
 Everything runs in float64 and every per-frame quantity depends only on the frame's
-global index, never on how frames are split: the uint8 frames at world_size 2 or 4 are
-the same as at world_size 1.
+global index, never on how frames are split: the uint8 frames at world_size 2 or 4, in
+groups of any size, are the same as at world_size 1 rendering the chunk in one piece.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,7 +56,8 @@ class VideoInput:
 
 @dataclass
 class VideoResult:
-    """One chunk of video; ``frames`` is a contiguous uint8 ``(T, H, W, 3)`` array."""
+    """One group of a chunk's frames; ``frames`` is a contiguous uint8 ``(G, H, W, 3)``
+    array, the chunk's frames ``first_frame - chunk_index * T`` onwards."""
 
     frames: np.ndarray
     chunk_index: int
@@ -81,6 +87,7 @@ class ParallelVideoModel:
         device: str = "cpu",
         alloc: Allocator = np.empty,
         frames_per_chunk: int = 16,
+        frames_per_group: int = 4,
         height: int = 128,
         width: int = 224,
         chunks_per_rollout: int = 4,
@@ -96,6 +103,13 @@ class ParallelVideoModel:
                 " each rank renders an equal slice of the chunk's frames"
                 f" (use a world_size among {_divisors(frames_per_chunk)})"
             )
+        group = math.lcm(frames_per_group, world_size) if frames_per_group >= 1 else 0
+        if not group or frames_per_chunk % group:
+            raise ValueError(
+                f"frames_per_group={frames_per_group} at world_size {world_size} gives groups"
+                f" of {group or frames_per_group} frames (a multiple of world_size), which must"
+                f" divide frames_per_chunk={frames_per_chunk}"
+            )
         if height % 8 or width % 8:
             raise ValueError(f"height and width must be multiples of 8, got {height}x{width}")
         if window < 1:
@@ -104,7 +118,10 @@ class ParallelVideoModel:
             raise ValueError(f"chunks_per_rollout must be >= 1, got {chunks_per_rollout}")
         self.rank, self.world_size, self.device, self.alloc = rank, world_size, device, alloc
         self.T, self.H, self.W = frames_per_chunk, height, width
-        self.local_T = frames_per_chunk // world_size
+        # Each step yields the chunk in groups of G frames (frames_per_group, rounded up to
+        # a multiple of world_size); each rank renders local_G frames of every group.
+        self.G = group
+        self.local_G = group // world_size
         self.chunks_per_rollout = chunks_per_rollout
         self.window = window
         self.C = latent_channels
@@ -134,8 +151,13 @@ class ParallelVideoModel:
         """Start a new rollout; the weights stay loaded."""
         self.state = _Rollout()
 
-    def generate(self, inp: VideoInput) -> VideoResult | None:
-        """Render the rollout's next chunk; rank 0 returns it, other ranks return None."""
+    def generate(self, inp: VideoInput) -> Iterator[VideoResult | None]:
+        """Render the rollout's next chunk, one group of frames at a time.
+
+        A generator: each group of ``frames_per_group`` frames is computed and gathered
+        onto rank 0, then yielded (rank 0 yields its :class:`VideoResult`, other ranks
+        ``None``), so the first group reaches the caller before the chunk is done.
+        """
         st = self.state
         if st.chunk >= self.chunks_per_rollout:
             # Decided from replicated state, so every rank raises, before any collective.
@@ -146,19 +168,19 @@ class ParallelVideoModel:
             st.seed = inp.seed if inp.seed is not None else stable_seed("rollout", inp.prompt)
         target = style_for(inp.prompt, inp.seed, self.C)
         styles, phases = self._style_trajectory(target)
-        lo = self.rank * self.local_T
-        t0 = st.chunk * self.T
-        local = range(lo, lo + self.local_T)
-        z = torch.stack([self._latent(t0 + i, styles[i], phases[i]) for i in local])
-        z, kv = self._temporal_attention(z, lo)
-        rgb = self._decode(z, [styles[i] for i in local])
-        frames = self._gather(rgb)
-        st.context_kv = kv[:, kv.shape[1] - (self.window - 1) :] if self.window > 1 else None
+        chunk, t0 = st.chunk, st.chunk * self.T
         st.style, st.phase = styles[-1], phases[-1]
         st.chunk += 1
-        if frames is None:
-            return None
-        return VideoResult(frames, chunk_index=st.chunk - 1, first_frame=t0, prompt=inp.prompt)
+        for g0 in range(0, self.T, self.G):
+            lo = g0 + self.rank * self.local_G  # this rank's first frame of the group
+            local = range(lo, lo + self.local_G)
+            z = torch.stack([self._latent(t0 + i, styles[i], phases[i]) for i in local])
+            z = self._temporal_attention(z)
+            rgb = self._decode(z, [styles[i] for i in local])
+            frames = self._gather(rgb)
+            yield None if frames is None else VideoResult(
+                frames, chunk_index=chunk, first_frame=t0 + g0, prompt=inp.prompt
+            )
 
     def _style_trajectory(self, target: Style) -> tuple[list[Style], list[np.ndarray]]:
         """Every frame's style and wave phase for the whole chunk, computed on every rank.
@@ -196,13 +218,15 @@ class ParallelVideoModel:
         )[0].numpy()
         return torch.from_numpy(waves + 0.6 * noise).to(self.device)
 
-    def _temporal_attention(self, z: torch.Tensor, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sliding-window causal attention over time, per latent pixel.
+    def _temporal_attention(self, z: torch.Tensor) -> torch.Tensor:
+        """Sliding-window causal attention over time, per latent pixel, for one group.
 
         Frame t attends to frames t-window+1 .. t. Keys/values come from every rank (the
-        frames before a rank's first frame live on the rank before it), and the previous
-        chunk's last frames are kept as context, so a chunk's first frame is computed
-        exactly like any other: no seam between chunks.
+        group's frames before a rank's first one live on the ranks before it), and the
+        last window-1 frames before the group are kept as context, so a group's (and a
+        chunk's) first frame is computed exactly like any other: no seam. Each query
+        sees its own window of keys, laid out the same way whatever the group size and
+        world_size, so the frames do not depend on how they are split.
         """
         wt = self.weights
         q = torch.einsum("dc,tchw->tdhw", wt["wq"], z)
@@ -212,18 +236,25 @@ class ParallelVideoModel:
         if self.world_size > 1:
             parts = [torch.empty_like(kv_local) for _ in range(self.world_size)]
             dist.all_gather(parts, kv_local.contiguous())
-            kv = torch.cat(parts, dim=1)  # (2, T, D, h, w), frames in global order
+            kv = torch.cat(parts, dim=1)  # (2, G, D, h, w), the group's frames in order
         else:
             kv = kv_local
         ctx = self.state.context_kv
-        keys = torch.cat([ctx, kv], dim=1) if ctx is not None else kv
         n_ctx = 0 if ctx is None else ctx.shape[1]
-        scores = torch.einsum("qdhw,kdhw->hwqk", q, keys[0]) / np.sqrt(q.shape[1])
-        qi = torch.arange(lo, lo + q.shape[0], device=z.device)[:, None] + n_ctx
-        ki = torch.arange(keys.shape[1], device=z.device)[None, :]
-        scores = scores.masked_fill((ki > qi) | (ki <= qi - self.window), float("-inf"))
-        out = torch.einsum("hwqk,kdhw->qdhw", scores.softmax(-1), keys[1])
-        return z + torch.einsum("cd,tdhw->tchw", wt["wo"], out), kv
+        keys = torch.cat([ctx, kv], dim=1) if ctx is not None else kv
+        w = self.window
+        # Left-pad to a full window before the rollout's first frame (masked out below).
+        padded = torch.cat([keys.new_zeros((2, w - 1, *keys.shape[2:])), keys], dim=1)
+        first = n_ctx + self.rank * self.local_G  # index in keys of this rank's first query
+        starts = range(first, first + q.shape[0])  # padded index of each query's window
+        windows = torch.stack([padded[:, s : s + w] for s in starts], dim=1)  # (2,q,w,D,h,w)
+        scores = torch.einsum("qdhw,qkdhw->hwqk", q, windows[0]) / np.sqrt(q.shape[1])
+        valid = torch.tensor([[s + j >= w - 1 for j in range(w)] for s in starts],
+                             device=z.device)  # key before the rollout's first frame: none
+        scores = scores.masked_fill(~valid, float("-inf"))
+        out = torch.einsum("hwqk,qkdhw->qdhw", scores.softmax(-1), windows[1])
+        self.state.context_kv = keys[:, max(0, keys.shape[1] - (w - 1)) :] if w > 1 else None
+        return z + torch.einsum("cd,tdhw->tchw", wt["wo"], out)
 
     def _decode(self, z: torch.Tensor, styles: list[Style]) -> torch.Tensor:
         """Conv decoder to full size, then a per-frame colour palette: (t, H, W, 3) uint8."""
@@ -241,9 +272,10 @@ class ParallelVideoModel:
         return (rgb.clamp(0, 1) * 255).round().to(torch.uint8)
 
     def _gather(self, rgb: torch.Tensor) -> np.ndarray | None:
-        """Gather every rank's frames onto rank 0 into one contiguous uint8 array."""
+        """Gather every rank's frames of a group onto rank 0 into one contiguous uint8
+        array, a fresh ``shared_empty`` buffer per group."""
         if self.rank == 0:
-            out = self.alloc((self.T, self.H, self.W, 3), np.dtype(np.uint8))
+            out = self.alloc((self.G, self.H, self.W, 3), np.dtype(np.uint8))
         if self.world_size == 1:
             out[:] = rgb.cpu().numpy()
             return out
@@ -252,7 +284,7 @@ class ParallelVideoModel:
             dist.gather(rgb.contiguous(), None, dst=0)
             return None
         if on_cpu:  # gather straight into the shared-memory result: no extra copy
-            views = [torch.from_numpy(out[r * self.local_T : (r + 1) * self.local_T])
+            views = [torch.from_numpy(out[r * self.local_G : (r + 1) * self.local_G])
                      for r in range(self.world_size)]
             dist.gather(rgb.contiguous(), views, dst=0)
         else:
@@ -277,7 +309,9 @@ class VideoWorker(DistributedWorker):
             **model_kwargs,
         )
 
-    def generate(self, input: VideoInput, /) -> VideoResult | None:
+    def generate(self, input: VideoInput, /) -> Iterator[VideoResult | None]:
+        """A generator: ``runner.stream(x)`` hands over each group as rank 0 yields it,
+        ``runner.generate(x)`` returns the chunk's groups as a list."""
         return self.model.generate(input)
 
     def reset(self) -> None:

@@ -11,11 +11,21 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from benchmarks.families import broadcast, failure, frames, overhead, startup
+from benchmarks.families import (
+    aio_calls,
+    broadcast,
+    failure,
+    frames,
+    overhead,
+    startup,
+    streaming,
+)
 
 FAMILIES: tuple[tuple[str, ModuleType], ...] = (
     ("per-call overhead", overhead),
+    ("asyncio per call", aio_calls),
     ("frames back", frames),
+    ("streaming", streaming),
     ("input broadcast", broadcast),
     ("failure notice", failure),
     ("start-up", startup),

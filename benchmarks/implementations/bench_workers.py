@@ -4,9 +4,13 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Iterator
 from typing import Any
 
-from benchmarks.implementations.workload import BenchModel
+import numpy as np
+
+from benchmarks.implementations.workload import BenchModel, ItemCompute
 from reactor_dist import DistributedWorker
 
 
@@ -58,3 +62,25 @@ class EchoWorker(DistributedWorker):
 
     def generate(self, input: Any, /) -> Any:
         return input
+
+
+class StreamWorker(DistributedWorker):
+    """A generator step: ``items`` times, compute (:class:`ItemCompute`) into a fresh
+    ``shared_empty`` buffer of ``item_bytes`` and yield it with the seconds that compute
+    took here, so the caller knows each item's compute from the same step. Every rank
+    computes (the way a model-parallel step keeps every rank busy); rank 0's items reach
+    the caller."""
+
+    def load(self, *, item_bytes: int, reps: int, **_: Any) -> None:
+        self.item_bytes = item_bytes
+        self.compute = ItemCompute(reps)
+
+    def generate(self, items: int, /) -> Iterator[tuple[np.ndarray, float]]:
+        for i in range(items):
+            buf = self.shared_empty((self.item_bytes,), np.uint8)
+            t0 = time.perf_counter()
+            self.compute(buf, i)
+            yield buf, time.perf_counter() - t0
+
+    def reset(self) -> None:
+        pass

@@ -65,3 +65,30 @@ class BenchModel:
         if op == "echo":
             return arg
         raise ValueError(f"unknown bench op {op!r}")
+
+
+# -- streaming: a step that yields several big items with compute between them --------
+
+WORK_SIZE = 131_072  # float64 values the compute works on (1 MB: stays in cache)
+
+
+class ItemCompute:
+    """One streamed item's work: ``reps`` passes of ``np.sin`` over a 1 MB working set,
+    then the result written over the whole item buffer (as a model writes its output).
+
+    Rank 0 times each call and sends the seconds with the item, so "one item's compute"
+    is measured in the very step whose first item is timed, not assumed.
+    """
+
+    def __init__(self, reps: int) -> None:
+        self.reps = reps
+        self.x = np.empty(WORK_SIZE)
+
+    def __call__(self, out: np.ndarray, index: int) -> np.ndarray:
+        x = self.x
+        x[:] = np.linspace(0.0, 1.0 + index, WORK_SIZE)
+        for _ in range(self.reps):
+            np.sin(x, out=x)
+        out.fill(int(x[-1] * 100) % 256)
+        out.flat[0] = index  # which item this is, for the caller's check
+        return out

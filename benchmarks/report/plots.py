@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 
 from benchmarks.config import Settings  # noqa: E402
+from benchmarks.families import aio_calls, streaming  # noqa: E402
 from benchmarks.families.frames import SHARED  # noqa: E402
 from benchmarks.implementations.pools import JSON, MPQ, OURS  # noqa: E402
 from benchmarks.report.results import FLOOR, Results  # noqa: E402
@@ -137,6 +138,29 @@ def startup_panel(ax: Axes, r: Results, s: Settings) -> None:
     ax.set_title("Start-up with torch + process group", fontsize=9)
 
 
+def streaming_panel(ax: Axes, r: Results, s: Settings) -> None:
+    pools = {f"keep_free_segments={s.stream_items}": streaming.WARM_POOL,
+             "default (2)": streaming.DEFAULT_POOL}
+    groups = [f"first item\n{p}" for p in pools] + [f"whole step\n{p}" for p in pools]
+    metrics = [streaming.FIRST] * len(pools) + [streaming.WHOLE] * len(pools)
+    keys = list(pools.values()) * 2
+    _bars(ax, groups, {
+        "floor: rank 0's compute": [r.get(m, "ws2", f"{k} {FLOOR}")
+                                    for m, k in zip(metrics, keys, strict=True)],
+        OURS: [r.get(m, "ws2", k) for m, k in zip(metrics, keys, strict=True)],
+    }, 1e3, "ms")
+    ax.set_title(f"stream(): {s.stream_items} items of {s.stream_item_bytes / 1e6:g} MB,"
+                 " world_size 2", fontsize=9)
+
+
+def aio_panel(ax: Axes, r: Results, s: Settings) -> None:
+    keys = (aio_calls.GENERATE, aio_calls.AGENERATE, aio_calls.ASTREAM)
+    values = [r.get(aio_calls.METRIC, "ws2", k) for k in keys]
+    _bars(ax, list(keys), {OURS: values}, 1e6, "µs per call")
+    _label_medians(ax, values, 1e6, "µs")
+    ax.set_title("asyncio per call, echo worker, world_size 2", fontsize=9)
+
+
 Panel = Callable[[Axes, Results, Settings], None]
 PANELS: dict[str, Panel] = {
     "overhead": overhead_panel,
@@ -144,6 +168,8 @@ PANELS: dict[str, Panel] = {
     "broadcast": broadcast_panel,
     "failure": failure_panel,
     "startup": startup_panel,
+    "streaming": streaming_panel,
+    "asyncio": aio_panel,
 }
 
 
@@ -151,10 +177,11 @@ def write_all(r: Results, s: Settings, out_dir: Path, stem: str) -> list[Path]:
     """One PNG per family plus an overview of all of them; returns the paths, overview
     first."""
     paths = []
-    fig = plt.figure(figsize=(13, 13))
-    grid = fig.add_gridspec(3, 2)
+    fig = plt.figure(figsize=(13, 17))
+    grid = fig.add_gridspec(4, 2)
     places = {"overhead": grid[0, 0], "frames": grid[0, 1], "broadcast": grid[1, :],
-              "failure": grid[2, 0], "startup": grid[2, 1]}
+              "failure": grid[2, 0], "startup": grid[2, 1],
+              "streaming": grid[3, 0], "asyncio": grid[3, 1]}
     fig.suptitle(f"reactor_dist benchmarks, {stem}"
                  " (bars: median, whiskers: p10–p90, dots: p99)", fontsize=11)
     for name, panel in PANELS.items():

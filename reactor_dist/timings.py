@@ -1,0 +1,195 @@
+"""Seeing inside a step: per-call timings, rolling statistics, the straggler warning.
+
+Each rank measures, with ``time.perf_counter``, the seconds it spent inside its
+worker method (for a generator worker: inside the generator, not sending its
+items) and sends that *duration* in its REPLY (``Field.COMPUTE``); clocks of
+different processes are never compared.  The runner splits its own wall time of
+the call into three parts::
+
+    encode   call start -> the CALL published (lock, input pickling / segment copy)
+    wait     -> every rank's REPLY taken (for a stream: its items decoded meanwhile)
+    decode   -> rank 0's result decoded and the outcomes judged
+
+so ``wall == encode + wait + decode``; ``overhead = wall - max(compute)`` is what the
+library (and the ranks' waits for each other) added to the slowest rank's work.
+
+The per-call cost is one tuple of the raw clock readings and a deque append: the
+:class:`CallTimings` record is built only when asked for, and statistics and the
+straggler check look back over the kept rows lazily (the check every
+:data:`CHECK_EVERY` calls).  ``REACTOR_DIST_TIMINGS=0`` in the caller's environment
+(or ``runner.record_timings = False``) turns the bookkeeping off.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+log = logging.getLogger("reactor_dist")
+# One call as recorded: perf_counter at send, at publish, at the last reply, at the end;
+# each rank's compute.
+Row = tuple[float, float, float, float, tuple[float, ...]]
+
+KEPT_CALLS = 10_000     # the rolling window of runner.stats()
+STRAGGLER_WINDOW = 20   # calls whose median compute the straggler rule compares
+STRAGGLER_RATIO = 1.25  # a rank slower than this times the others' median ...
+STRAGGLER_MARGIN = 0.002  # ... and at least this many seconds slower
+CHECK_EVERY = 20        # calls between straggler checks
+WARN_EVERY = 60.0       # seconds between two warnings about one rank
+
+
+def enabled_by_default() -> bool:
+    return os.environ.get("REACTOR_DIST_TIMINGS", "1").strip().lower() not in ("0", "off",
+                                                                                "false", "no")
+
+
+class CallTimings:
+    """Where the seconds of one call went (``runner.last_timings``)."""
+
+    __slots__ = ("wall", "compute", "encode", "wait", "decode")
+
+    def __init__(self, wall: float, compute: tuple[float, ...], encode: float, wait: float,
+                 decode: float) -> None:
+        self.wall = wall          # the caller's seconds, send to answer
+        self.compute = compute    # seconds each rank spent inside its worker method
+        self.encode = encode      # sending: pickling the input, publishing the CALL
+        self.wait = wait          # waiting for every rank's REPLY
+        self.decode = decode      # decoding rank 0's result, judging the outcomes
+
+    @classmethod
+    def of(cls, row: Row) -> CallTimings:
+        started, sent, answered, ended, compute = row
+        return cls(ended - started, compute, sent - started, answered - sent, ended - answered)
+
+    @property
+    def slowest_rank(self) -> int:
+        compute = self.compute
+        return max(range(len(compute)), key=compute.__getitem__)
+
+    @property
+    def overhead(self) -> float:
+        """``wall`` minus the slowest rank's compute."""
+        return self.wall - max(self.compute)
+
+    def __repr__(self) -> str:
+        compute = ", ".join(f"{c * 1e3:.3f}" for c in self.compute)
+        return (f"<CallTimings wall={self.wall * 1e3:.3f} ms compute=({compute}) ms "
+                f"slowest_rank={self.slowest_rank} encode={self.encode * 1e3:.3f} ms "
+                f"wait={self.wait * 1e3:.3f} ms decode={self.decode * 1e3:.3f} ms>")
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of sorted values, by linear interpolation."""
+    if not sorted_values:
+        return float("nan")
+    pos = (len(sorted_values) - 1) * q
+    low = int(pos)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (pos - low)
+
+
+def median(values: Sequence[float]) -> float:
+    return percentile(sorted(values), 0.5)
+
+
+class Summary:
+    """count and p50/p90/p99 (seconds) of one series."""
+
+    __slots__ = ("count", "p50", "p90", "p99")
+
+    def __init__(self, values: Sequence[float]) -> None:
+        ordered = sorted(values)
+        self.count = len(ordered)
+        self.p50, self.p90, self.p99 = (percentile(ordered, q) for q in (0.5, 0.9, 0.99))
+
+    def __repr__(self) -> str:
+        return (f"<Summary count={self.count} p50={self.p50:.6f} p90={self.p90:.6f} "
+                f"p99={self.p99:.6f}>")
+
+
+class Stats:
+    """``runner.stats()``: per-rank compute and the overhead over the kept calls."""
+
+    def __init__(self, rows: Sequence[Row], world_size: int, total: int) -> None:
+        calls = [CallTimings.of(row) for row in rows]
+        self.calls = total  # calls recorded since start or the last reset
+        self.compute = tuple(Summary([c.compute[r] for c in calls]) for r in range(world_size))
+        self.overhead = Summary([c.overhead for c in calls])
+        self.wall = Summary([c.wall for c in calls])
+
+    def __str__(self) -> str:
+        rows = [("", "count", "p50 ms", "p90 ms", "p99 ms")]
+        named = [(f"rank {r} compute", s) for r, s in enumerate(self.compute)]
+        named += [("overhead", self.overhead), ("wall", self.wall)]
+        for name, s in named:
+            rows.append((name, str(s.count), f"{s.p50 * 1e3:.3f}", f"{s.p90 * 1e3:.3f}",
+                         f"{s.p99 * 1e3:.3f}"))
+        widths = [max(len(row[i]) for row in rows) for i in range(5)]
+        lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                           for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+                 for row in rows]
+        return "\n".join(line.rstrip() for line in lines)
+
+    def __repr__(self) -> str:
+        return f"<Stats calls={self.calls}>\n{self}"
+
+
+class Recorder:
+    """The runner's timings: the latest call, the rolling window, the straggler rule."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.enabled = enabled_by_default()
+        self.latest: Row | None = None
+        self.calls: collections.deque[Row] = collections.deque(maxlen=KEPT_CALLS)
+        self.total = 0
+        self.warned: dict[int, float] = {}  # rank -> monotonic time of its last warning
+
+    @property
+    def last(self) -> CallTimings | None:
+        return None if self.latest is None else CallTimings.of(self.latest)
+
+    def record(self, started: float, sent: float, answered: float, ended: float,
+               compute: tuple[float, ...]) -> None:
+        row = self.latest = (started, sent, answered, ended, compute)
+        self.calls.append(row)
+        self.total += 1
+        if self.world_size > 1 and self.total % CHECK_EVERY == 0 \
+                and len(self.calls) >= STRAGGLER_WINDOW:
+            self.check_stragglers()
+
+    def stats(self, reset: bool = False) -> Stats:
+        result = Stats(list(self.calls), self.world_size, self.total)
+        if reset:
+            self.reset()
+        return result
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.total = 0
+
+    def check_stragglers(self) -> None:
+        """Warn (rate-limited per rank) about a rank whose median compute over the last
+        STRAGGLER_WINDOW calls stays above the others' by the rule's ratio and margin."""
+        recent = list(itertools.islice(reversed(self.calls), STRAGGLER_WINDOW))
+        medians = [median([row[4][r] for row in recent]) for r in range(self.world_size)]
+        now = time.monotonic()
+        for rank, mine in enumerate(medians):
+            others = median(medians[:rank] + medians[rank + 1:])
+            if mine <= others * STRAGGLER_RATIO or mine - others < STRAGGLER_MARGIN:
+                continue
+            last = self.warned.get(rank)
+            if last is not None and now - last < WARN_EVERY:
+                continue
+            self.warned[rank] = now
+            log.warning(
+                "rank %d is a straggler: its median compute over the last %d calls is "
+                "%.1f ms, the other ranks' %.1f ms (%.2fx); every call waits for it. Check "
+                "its GPU's clocks and thermals (nvidia-smi -q -d CLOCK,TEMPERATURE), other "
+                "processes on its GPU or cores, the size of its shard, and its CPU threads "
+                "(share_cpu_cores, OMP_NUM_THREADS)", rank, STRAGGLER_WINDOW, mine * 1e3,
+                others * 1e3, mine / others if others > 0 else float("inf"))

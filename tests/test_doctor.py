@@ -1,0 +1,61 @@
+"""``reactor-dist doctor`` (``python -m reactor_dist doctor``) on this machine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from reactor_dist import doctor
+from reactor_dist.__main__ import main as cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_doctor(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "reactor_dist", "doctor", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONIOENCODING": "utf-8", **env})
+
+
+def test_doctor_passes_on_this_machine_with_two_cpu_ranks():
+    out = run_doctor("--device", "cpu", "--world-size", "2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "reactor-dist doctor: world_size=2, device=cpu"
+    for name in ("shared memory", "CUDA_VISIBLE_DEVICES", "torch", "open files limit",
+                 "locked memory limit", "pidfd", "smoke run"):
+        (row,) = [line for line in lines if line[2:].startswith(name + " ")]
+        assert row[0] in "✓·", row
+    assert any(line.startswith("✓ smoke run") and "16 MiB frame back" in line for line in lines)
+    assert "✗" not in out.stdout and lines[-1] == "all checks passed"
+
+
+def test_doctor_fails_on_a_small_dev_shm_and_prints_the_fix():
+    out = run_doctor("--device", "cpu", "--world-size", "2",
+                     REACTOR_DIST_SHM_LIMIT=str(64 << 20))
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    row = lines.index(next(line for line in lines if line.startswith("✗ shared memory")))
+    assert "64 MiB" in lines[row]
+    assert "fix:" in lines[row + 1] and "--shm-size=" in lines[row + 1]
+    assert lines[-1] == "1 check failed"
+
+
+def test_the_checks_alone():
+    small = doctor.check_shm("/dev/shm", frame_bytes=1 << 40)  # a TiB frame: too big
+    assert small.ok is False and "--shm-size" in small.fix
+    assert doctor.check_shm("/nonexistent-dir", 1).ok is False
+    cuda = doctor.check_gpus(64, "cuda")
+    (gpus,) = [c for c in cuda if c.name == "GPUs"]
+    assert gpus.ok is False and "--world-size" in gpus.fix
+    assert doctor.check_pidfd().ok is True
+    table = doctor.table([doctor.Check("a", True, "fine"),
+                          doctor.Check("bb", False, "bad", "do x")])
+    assert "fix: do x" in table and table.endswith("1 check failed")
+
+
+def test_the_command_line(capsys):
+    assert cli([]) == 2 and "usage: reactor-dist {doctor}" in capsys.readouterr().err
+    assert cli(["nope"]) == 2 and "unknown command 'nope'" in capsys.readouterr().err
+    assert cli(["--help"]) == 0 and "doctor" in capsys.readouterr().out

@@ -1,0 +1,132 @@
+"""Per-call timings, runner.stats() and the straggler warning, with real ranks."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from timing_workers import Raises, RaisingSteps, SlowRank, SlowSteps
+
+from reactor_dist import DistributedRunner
+from reactor_dist.timings import CallTimings, Recorder
+
+
+def runner_for(cls, world_size=2, **kw):
+    kw.setdefault("init_process_group", False)
+    kw.setdefault("device", "cpu")
+    kw.setdefault("call_timeout", 20.0)
+    return DistributedRunner(cls, world_size=world_size, **kw)
+
+
+def test_a_slower_rank_shows_in_compute_and_is_the_slowest():
+    with runner_for(SlowRank, load_kwargs={"slow": 1, "extra": 0.05}) as runner:
+        assert runner.last_timings is None
+        began = time.perf_counter()
+        assert runner.generate(7) == 7
+        caller = time.perf_counter() - began
+        t = runner.last_timings
+        assert isinstance(t, CallTimings) and len(t.compute) == 2
+        assert t.compute[1] >= 0.05
+        assert t.compute[0] < 0.05
+        assert t.slowest_rank == 1
+        assert t.wall >= max(t.compute)
+        assert t.wall <= caller
+        assert t.encode >= 0 and t.wait >= 0 and t.decode >= 0
+        assert t.encode + t.wait + t.decode == pytest.approx(t.wall, abs=1e-9)
+        assert t.overhead == pytest.approx(t.wall - t.compute[1])
+        assert "slowest_rank=1" in repr(t)
+
+
+def test_a_generator_workers_compute_is_the_time_inside_the_generator():
+    with runner_for(SlowSteps) as runner:
+        assert list(runner.stream({"n": 3, "pause": 0.02})) == [0, 1, 2]
+        t = runner.last_timings
+        assert t.compute[0] >= 0.06 and t.compute[1] >= 0.12
+        assert t.slowest_rank == 1 and t.wall >= max(t.compute)
+        assert runner.generate({"n": 2, "pause": 0.01}) == [0, 1]
+        assert runner.last_timings.compute[1] >= 0.04
+
+
+def test_a_call_that_raises_is_timed_too():
+    with runner_for(Raises) as runner:
+        with pytest.raises(ValueError, match="planned"):
+            runner.generate(0.03)
+        assert min(runner.last_timings.compute) >= 0.03
+    with runner_for(RaisingSteps) as runner:
+        with pytest.raises(ValueError, match="planned"):
+            runner.generate(0.03)
+        assert min(runner.last_timings.compute) >= 0.03
+
+
+def test_stats_count_percentiles_overhead_and_reset():
+    with runner_for(SlowRank, load_kwargs={"slow": 1, "extra": 0.01}) as runner:
+        for i in range(5):
+            runner.generate(i)
+        stats = runner.stats()
+        assert stats.calls == 5
+        assert [s.count for s in stats.compute] == [5, 5]
+        assert stats.compute[1].p50 >= 0.01 > stats.compute[0].p50
+        assert stats.compute[1].p50 <= stats.compute[1].p90 <= stats.compute[1].p99
+        assert 0 <= stats.overhead.p50 < stats.wall.p50
+        table = str(stats)
+        assert "rank 1 compute" in table and "overhead" in table and "p99 ms" in table
+        assert runner.stats(reset=True).calls == 5
+        assert runner.stats().calls == 0
+        runner.generate(0)
+        assert runner.stats().calls == 1
+        runner.reset_stats()
+        assert runner.stats().compute[0].count == 0
+
+
+def test_timings_can_be_switched_off():
+    with runner_for(SlowRank, load_kwargs={"slow": None}) as runner:
+        runner.record_timings = False
+        runner.generate(1)
+        assert runner.last_timings is None and runner.stats().calls == 0
+        runner.record_timings = True
+        runner.generate(1)
+        assert runner.last_timings is not None
+
+
+def stragglers(caplog):
+    return [r for r in caplog.records if r.name == "reactor_dist" and "straggler" in r.message]
+
+
+def test_a_persistently_slow_rank_is_named_once(caplog):
+    caplog.set_level(logging.WARNING, logger="reactor_dist")
+    with runner_for(SlowRank, load_kwargs={"slow": 1, "base": 0.002, "extra": 0.01}) as runner:
+        for i in range(45):
+            runner.generate(i)
+    (record,) = stragglers(caplog)  # rate-limited: one, though the rule held many times
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().startswith("rank 1 ")
+    for hint in ("clocks", "thermals", "processes", "shard", "CPU threads", "ms"):
+        assert hint in record.getMessage()
+
+
+def test_a_balanced_run_warns_of_no_straggler(caplog):
+    caplog.set_level(logging.WARNING, logger="reactor_dist")
+    with runner_for(SlowRank, load_kwargs={"slow": None, "base": 0.005}) as runner:
+        for i in range(45):
+            runner.generate(i)
+    assert stragglers(caplog) == []
+
+
+def fake(compute):
+    return (0.0, 0.0, 0.0, max(compute) + 0.001, tuple(compute))
+
+
+def test_the_straggler_rule_needs_both_the_ratio_and_the_margin(caplog):
+    caplog.set_level(logging.WARNING, logger="reactor_dist")
+    small = Recorder(2)  # 1.5x slower, but only 1 ms more: not a straggler
+    big = Recorder(2)    # 10 ms more, but under 1.25x: not a straggler
+    for _ in range(40):
+        small.record(*fake((0.002, 0.003)))
+        big.record(*fake((0.100, 0.110)))
+    assert stragglers(caplog) == []
+    both = Recorder(3)
+    for _ in range(40):
+        both.record(*fake((0.010, 0.010, 0.020)))
+    (record,) = stragglers(caplog)
+    assert record.getMessage().startswith("rank 2 ")
