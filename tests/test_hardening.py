@@ -206,16 +206,19 @@ def sticky_dir() -> str:
     return path
 
 
-def test_a_runner_in_another_pid_namespace_keeps_its_segments(tmp_path):
+def test_a_runner_in_another_pid_namespace_keeps_its_segments():
     """Its pid means nothing outside: a host runner's start must not take it for dead."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("a pid namespace takes root and unshare(1)")
-    script = tmp_path / "app.py"
-    script.write_text(NAMESPACED_APP.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    script = NAMESPACED_APP.format(tests=os.path.dirname(os.path.abspath(__file__)))
     shm_dir = sticky_dir()
+    # A /tmp of its own: its start must not judge the host's ipc directories by pids
+    # that mean nothing inside (other runners on this machine may be running).
+    inside = 'mount -t tmpfs tmpfs /tmp && exec "$0" -c "$1" "$2"'
     app = subprocess.Popen(
-        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(script), shm_dir],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tmp_path,
+        ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", inside, sys.executable,
+         script, shm_dir],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/",
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     try:
         json.loads(app.stdout.readline())
