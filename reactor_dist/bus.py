@@ -13,6 +13,7 @@ import contextlib
 import functools
 import os
 import shutil
+import stat
 import tempfile
 from typing import Any
 
@@ -42,7 +43,9 @@ def reclaim_dead_ipc_dirs() -> None:
                 continue
             path = os.path.join(base, name)
             with contextlib.suppress(OSError):
-                if os.stat(path).st_uid == os.getuid() and not psutil.pid_exists(owner):
+                st = os.lstat(path)  # never a link, never another user's
+                if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and \
+                        not psutil.pid_exists(owner):
                     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -63,7 +66,7 @@ class Bus:
         self.secret, self.world_size = secret, world_size
         self.channel = wire.Channel(secret)
         self.ctx = zmq.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub = wire.bounded(self.ctx.socket(zmq.PUB))
         # One call at a time keeps each rank's queue a few messages deep; the bound only
         # stops a stray subscriber that never reads from growing our memory.
         self.pub.setsockopt(zmq.SNDHWM, 1000)
@@ -71,7 +74,7 @@ class Bus:
         self.cmd_addr = f"ipc://{ipc_dir}/cmd"
         self.pub.bind(self.cmd_addr)
         self._pub_send = wire.direct_send(self.pub)
-        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull = wire.bounded(self.ctx.socket(zmq.PULL))
         self.pull.setsockopt(zmq.LINGER, 0)
         self.reply_addr = f"ipc://{ipc_dir}/reply"
         self.pull.bind(self.reply_addr)
@@ -114,7 +117,7 @@ class Bus:
     def tell_death(self, ranks: list[int]) -> None:
         """In the death watch's thread: wake the caller's wait with a notice."""
         with contextlib.suppress(zmq.ZMQError):
-            push = self.ctx.socket(zmq.PUSH)
+            push = wire.bounded(self.ctx.socket(zmq.PUSH))
             push.setsockopt(zmq.LINGER, 1000)
             push.connect(self.death_addr)
             notice = {Field.KIND: Kind.DEATH, Field.SEQ: 0, Field.RANK: ranks[0]}

@@ -24,6 +24,7 @@ only append to a queue, which the owning thread applies at its next operation.
 from __future__ import annotations
 
 import collections
+import secrets
 import weakref
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
@@ -31,7 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from .shm import GRANULE, Segment, SharedSlotAllocationFailed
+from .shm import GRANULE, Segment, SharedSlotAllocationFailed, capacity
+
+NAME_TRIES = 8  # names taken by somebody else before we give up
 
 # How many idle segments stay warm: at least ``keep_free``, and as many as one call
 # acquired among the last WARM_WINDOW calls (a stream of 8 items needs 8 every step), but
@@ -43,14 +46,15 @@ WARM_WINDOW, WARM_MOST = 32, 16
 class Ledger:
     """The segments one side owns and lends out; idle ones stay warm for reuse."""
 
-    def __init__(self, directory: str, prefix: str, tag: str, keep_free: int = 2) -> None:
+    def __init__(self, directory: str, prefix: str, tag: str, keep_free: int = 2,
+                 token: Callable[[], str] = lambda: secrets.token_hex(8)) -> None:
         self.directory, self.prefix, self.tag, self.keep_free = directory, prefix, tag, keep_free
+        self.token = token  # a segment's name: prefix, tag and a random token (not a counter)
         self.segments: dict[str, Segment] = {}
         self.holders: dict[str, Counter] = {}  # name -> who still holds it; empty = idle
         self.idle: list[str] = []  # oldest first
         self._pending: collections.deque[tuple[str, Hashable]] = collections.deque()
         self._retired: list[str] = []
-        self._counter = 0
         self._per_call: collections.deque[int] = collections.deque([0], maxlen=WARM_WINDOW)
 
     def acquire(self, nbytes: int, what: str, holders: Iterable[Hashable]) -> Segment:
@@ -62,19 +66,36 @@ class Ledger:
             name = min(fits, key=lambda n: self.segments[n].size)
             self.idle.remove(name)
         else:
-            self._counter += 1
-            name = f"{self.prefix}.{self.tag}{self._counter}"
             size = max(GRANULE, (nbytes + GRANULE - 1) // GRANULE * GRANULE)
             try:
-                self.segments[name] = Segment.create(self.directory, name, size, what)
+                seg = self._create(size, what)
             except SharedSlotAllocationFailed:
                 if not self.idle:  # idle segments that do not fit are worth less
                     raise
                 self._retire(keep=0)
-                self.segments[name] = Segment.create(self.directory, name, size, what)
+                seg = self._create(size, what)
+            name = seg.name
+            self.segments[name] = seg
         self.holders[name] = Counter(holders)
         self._per_call[-1] += 1
         return self.segments[name]
+
+    def _create(self, size: int, what: str) -> Segment:
+        """A new segment under a fresh unpredictable name; a name somebody took first
+        (/dev/shm is shared by every local user) is passed over for another."""
+        for _ in range(NAME_TRIES):
+            name = f"{self.prefix}.{self.tag}{self.token()}"
+            try:
+                return Segment.create(self.directory, name, size, what)
+            except FileExistsError:
+                continue
+        raise SharedSlotAllocationFailed(
+            f"cannot allocate shared memory for {what}: {NAME_TRIES} fresh names in "
+            f"{self.directory} were all taken already")
+
+    def room(self) -> int:
+        """Bytes a new segment could have at most: free space plus the idle segments."""
+        return capacity(self.directory)[1] + sum(self.segments[n].size for n in self.idle)
 
     def new_call(self) -> None:
         """A call starts: count its acquisitions apart (see WARM_WINDOW)."""

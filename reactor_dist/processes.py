@@ -36,6 +36,12 @@ from .protocol import MARK_ENV, torchrun_env
 # Python 3.10 has no process_group=: a new session also makes a new process group.
 OWN_PROCESS_GROUP: dict[str, Any] = (
     {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True})
+# A rank never looks in the working directory for modules: ``-m`` would put it first on
+# sys.path, and whoever may write there would run code in the rank before the bootstrap
+# is read.  The rank then takes the caller's own sys.path from the bootstrap.
+SAFE_PATH: list[str] = (["-P", "-m", "reactor_dist.rank"] if sys.version_info >= (3, 11) else
+                        ["-c", "import sys; del sys.path[0]; import runpy; "
+                               "runpy.run_module('reactor_dist.rank', run_name='__main__')"])
 POLL_MS = 20  # how often the watch checks ranks it has no pidfd for
 STACK_DUMP_WAIT = 0.5
 
@@ -67,6 +73,13 @@ class RankProcess:
             **OWN_PROCESS_GROUP,
         )
         self.pid = self.pgid = self.popen.pid
+        # Ours until the final kill: a dead rank is only looked at (waitid WNOWAIT through
+        # its pidfd), never reaped before end_ranks signalled its group, so that its pid,
+        # and with it the group id, cannot pass to another process meanwhile.
+        self.pidfd = -1
+        with contextlib.suppress(AttributeError, OSError):
+            self.pidfd = os.pidfd_open(self.pid)
+        self.returncode: int | None = None
         self.launcher_pid = self.pid  # differs when a launch_prefix wraps the rank
         self.output = RankOutput(rank, self.popen.stdout.fileno(), output)
         try:  # The secret travels here, never in argv or the environment.
@@ -75,11 +88,24 @@ class RankProcess:
         except BrokenPipeError:
             pass  # died at once; the death notice tells the story
 
+    def poll(self) -> int | None:
+        """The exit code (negative: the signal) once the rank died, without reaping it."""
+        if self.returncode is None and self.pidfd < 0:
+            return self.popen.poll()  # no pidfd: reaps, and signal_group then refrains
+        if self.returncode is None:
+            with contextlib.suppress(ChildProcessError):
+                info = os.waitid(os.P_PIDFD, self.pidfd,
+                                 os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                if info is not None and info.si_pid:
+                    self.returncode = info.si_status if info.si_code == os.CLD_EXITED \
+                        else -info.si_status
+        return self.returncode
+
     def alive(self) -> bool:
-        return self.popen.poll() is None
+        return self.poll() is None
 
     def exit_description(self) -> str:
-        code = self.popen.poll()
+        code = self.poll()
         if code is None:
             return "still running"
         if code < 0:
@@ -95,6 +121,8 @@ class RankProcess:
         return f"rank {self.rank} (pid {self.pid}) {self.exit_description()}; last output:\n{shown}"
 
     def signal_group(self, sig: int) -> None:
+        if self.popen.returncode is not None:
+            return  # reaped: its pid, which named the group, may be somebody else's now
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pgid, sig)
 
@@ -105,6 +133,9 @@ class RankProcess:
             return []
 
     def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
         self.output.join(timeout=1.0)
         with contextlib.suppress(Exception):
             self.popen.stdout.close()
@@ -190,7 +221,7 @@ class Ranks:
 
     def spawn(self, rank: int, bootstrap: bytes, *, master_port: int, env: dict[str, str],
               gpus: list[int] | None, launch_prefix: list[str]) -> None:
-        """Start rank ``rank``: ``python -m reactor_dist.rank`` (behind ``launch_prefix``)
+        """Start rank ``rank``: ``python -P -m reactor_dist.rank`` (behind ``launch_prefix``)
         with the torchrun environment and ``env``; the bootstrap goes to its stdin."""
         full_env = dict(os.environ)
         full_env.update(env)
@@ -202,7 +233,7 @@ class Ranks:
         if gpus is not None:
             full_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         prefix = [part.replace("{rank}", str(rank)) for part in launch_prefix]
-        cmd = prefix + [sys.executable, "-m", "reactor_dist.rank"]
+        cmd = prefix + [sys.executable, *SAFE_PATH]
         proc = RankProcess(rank, cmd, full_env, os.getcwd(), bootstrap, self.output)
         self.procs.append(proc)
         self.watch.watch(proc)

@@ -58,6 +58,12 @@ from typing import Any, BinaryIO, NamedTuple
 MAC_SIZE = 32      # keyed BLAKE2b-256
 SECRET_SIZE = 32   # the per-runner key
 EMBED_LIMIT = 4096  # a first body frame up to this size travels inside the header
+# The largest frame any bus socket accepts (ZMQ_MAXMSGSIZE; a bigger one drops its
+# sender's connection before it is read).  Headers and inline buffers are under 64 KiB;
+# what can be large is a payload's pickle stream, which carries in-band data (bytes,
+# str, lists: arrays and tensors go out of band).  Senders refuse a bigger stream.
+MAX_FRAME_ENV = "REACTOR_DIST_MAX_FRAME"
+MAX_FRAME_DEFAULT = 256 << 20
 MAC_ONE_FRAME, MAC_FRAMES = b"reactor-dist/1", b"reactor-dist/n"  # MAC personalizations
 
 # -- header fields ------------------------------------------------------------------------
@@ -214,8 +220,11 @@ def torchrun_env(rank: int, world_size: int, master_port: int) -> dict[str, str]
 # Inherited by every process a rank starts: finds them when the process tree no longer
 # does (their rank died and they left its process group, or a daemon double-forked).
 MARK_ENV = "REACTOR_DIST_RANK_MARK"
-# /dev/shm entries: rdist.<owner pid>.<owner start time, hex>.<runner token>.<tag><n>
+# /dev/shm entries: rdist.<owner pid>.<owner start time, hex>.<runner token>.<tag><token>
+# (tag: "in" for inputs, "r0-" for results; token: 16 random hex digits per segment)
 SEGMENT_PREFIX = "rdist"
+# <runner prefix>.lock: flock'ed by the live runner (its entries are not a dead owner's)
+OWNER_LOCK = "lock"
 # The runner's private ipc directory: reactor-dist-<owner pid>-<random>
 IPC_DIR_PREFIX = "reactor-dist-"
 

@@ -112,11 +112,11 @@ class RankServer:
     # -- plumbing ------------------------------------------------------------------
     def connect(self) -> None:
         self.ctx = zmq.Context()
-        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub = wire.bounded(self.ctx.socket(zmq.SUB))
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.setsockopt(zmq.RCVHWM, 0)
         self.sub.connect(self.boot.cmd_addr)
-        self.push = self.ctx.socket(zmq.PUSH)
+        self.push = wire.bounded(self.ctx.socket(zmq.PUSH))
         self.push.setsockopt(zmq.LINGER, 2000)
         self.push.connect(self.boot.reply_addr)
         self.push_send = wire.direct_send(self.push)
@@ -126,17 +126,20 @@ class RankServer:
         self.channel.send(self.push_send, header, body)
 
     def on_runner_death(self) -> None:
-        shm.remove_prefix(self.boot.shm_dir, self.boot.shm_prefix)
-        # The runner's private ipc directory too: nobody else will ever remove it.
-        shutil.rmtree(os.path.dirname(self.boot.cmd_addr.removeprefix("ipc://")),
-                      ignore_errors=True)
-        for child in psutil.Process().children(recursive=True):
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
-        os.killpg(os.getpgrp(), signal.SIGKILL)
-        os._exit(1)
+        """Kill first, clean up after: whatever the cleanup meets, the group ends."""
+        try:
+            for child in psutil.Process().children(recursive=True):
+                try:
+                    child.kill()
+                except psutil.Error:
+                    pass
+            shm.remove_prefix(self.boot.shm_dir, self.boot.shm_prefix)
+            # The runner's private ipc directory too: nobody else will ever remove it.
+            shutil.rmtree(os.path.dirname(self.boot.cmd_addr.removeprefix("ipc://")),
+                          ignore_errors=True)
+        finally:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+            os._exit(1)
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> int:

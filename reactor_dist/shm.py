@@ -4,9 +4,15 @@ Which segment may be reused when is the ledger's business
 (:mod:`reactor_dist.ledger`); this module only makes, maps and removes them.
 
 Names (:func:`reactor_dist.protocol.segment_prefix`) carry the owner's pid and
-start time, so any later runner on the machine recognises entries whose owner is
-dead (pid gone or reused) and removes them; a live runner's entries are never
-touched.  Every entry is created 0600.
+start time, and each runner holds an flock on its ``<prefix>.lock`` entry for as
+long as it lives, so any later runner on the machine recognises entries whose owner
+is dead (its lock is free; without a lock file: pid gone or reused) and removes
+them; a live runner's entries are never touched, also where the owner's pid means
+nothing here (a runner in another pid namespace).  Every entry is created 0600.
+Removal touches only regular files owned by this user (lstat: a link is never
+followed); anything else in /dev/shm, another user's file or a directory squatting
+on a name, is left alone, and an error while removing is logged (logger
+``reactor_dist``) and skipped, never raised.
 
 Capacity: before creating a segment we check the filesystem can hold it, and we
 reserve its pages with ``posix_fallocate`` so that a full /dev/shm is an ENOSPC
@@ -17,16 +23,19 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
+import logging
 import mmap
 import os
 import secrets
+import stat
 from functools import lru_cache
 
 import numpy as np
 import psutil
 
 from .errors import SharedSlotAllocationFailed
-from .protocol import segment_owner, segment_prefix
+from .protocol import OWNER_LOCK, segment_owner, segment_prefix
 
 DEFAULT_DIR = "/dev/shm"
 # Test hook and safety valve: pretend the shm filesystem holds at most this many bytes.
@@ -34,6 +43,8 @@ LIMIT_ENV = "REACTOR_DIST_SHM_LIMIT"
 ALIGN = 64            # each buffer starts on a cache line
 GRANULE = 1 << 20     # segment sizes are rounded up to whole MiB so that sizes can be reused
 PAGE = mmap.PAGESIZE
+
+log = logging.getLogger("reactor_dist")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -153,10 +164,22 @@ class Segment:
 
 
 def unlink_quietly(path: str) -> None:
+    """Unlink one of our files; never raises (what cannot be removed is logged)."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    except OSError as exc:
+        log.warning("reactor_dist: could not remove %s: %s", path, exc)
+
+
+def _own_file(path: str) -> bool:
+    """Whether ``path`` is a regular file of this user (not followed if a link)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
 
 
 class PrivateView:
@@ -211,28 +234,66 @@ def remove_prefix(directory: str, prefix: str) -> int:
     except OSError:
         return 0
     for name in names:
-        if name.startswith(prefix + "."):
-            unlink_quietly(os.path.join(directory, name))
+        path = os.path.join(directory, name)
+        if name.startswith(prefix + ".") and _own_file(path):
+            unlink_quietly(path)
             removed += 1
     return removed
 
 
+def hold_owner_lock(directory: str, prefix: str) -> int:
+    """Take the lock that says the runner of ``prefix`` lives; the returned descriptor
+    holds it until closed (or the process dies).  It is locked before it gets its
+    name, so that nobody ever sees it free while its owner lives."""
+    path = os.path.join(directory, f"{prefix}.{OWNER_LOCK}")
+    draft = os.path.join(directory, f".{OWNER_LOCK}-{secrets.token_hex(8)}")
+    fd = os.open(draft, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(draft, path)
+    except BaseException:
+        os.close(fd)
+        unlink_quietly(draft)
+        raise
+    return fd
+
+
+def _lock_free(path: str) -> bool:
+    """Whether nobody holds the owner lock at ``path`` (its owner is dead)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def reclaim_dead_owners(directory: str) -> int:
-    """Unlink entries whose owning process is gone (killed runners); never a live one's."""
+    """Unlink our entries whose owning process is gone (killed runners); never a live
+    one's, nor another user's."""
     removed = 0
     try:
         names = os.listdir(directory)
     except OSError:
         return 0
-    alive: dict[tuple[int, str], bool] = {}
+    alive: dict[str, bool] = {}
     for name in names:
         key = segment_owner(name)
-        if key is None:
+        path = os.path.join(directory, name)
+        if key is None or not _own_file(path):
             continue
-        if key not in alive:
-            alive[key] = _owner_alive(*key)
-        if not alive[key]:
-            unlink_quietly(os.path.join(directory, name))
+        runner = ".".join(name.split(".")[:4])
+        if runner not in alive:
+            lock = f"{runner}.{OWNER_LOCK}"
+            alive[runner] = not _lock_free(os.path.join(directory, lock)) \
+                if lock in names else _owner_alive(*key)
+        if not alive[runner]:
+            unlink_quietly(path)
             removed += 1
     return removed
 

@@ -28,9 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from . import wire
 from .ledger import Ledger
-from .protocol import Descriptor, Place
-from .shm import align
+from .protocol import MAX_FRAME_ENV, Descriptor, Place
+from .shm import align, allocation_error
 
 # Measured (benchmarks/inline_threshold.py): below ~64 KiB a ZeroMQ frame copy is cheaper
 # than a segment round trip; above it the segment wins. Overridable for that measurement.
@@ -50,10 +51,14 @@ def _rebuild_readonly(array: np.ndarray) -> np.ndarray:
 
 
 class _Pickler(pickle.Pickler):
+    # Called with the size of each contiguous copy before it is made: may refuse it.
+    admit: Callable[[int], None] = staticmethod(lambda nbytes: None)
+
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is np.ndarray:
             if obj.flags.c_contiguous or obj.flags.f_contiguous or obj.dtype.hasobject:
                 return NotImplemented
+            self.admit(obj.nbytes)
             copy = np.ascontiguousarray(obj)
             if not obj.flags.writeable:
                 return _rebuild_readonly, (copy,)
@@ -62,6 +67,8 @@ class _Pickler(pickle.Pickler):
         if torch is not None and type(obj) is torch.Tensor and obj.device.type == "cpu":
             if obj.is_sparse or obj.is_quantized or obj.is_nested:
                 return NotImplemented
+            if not obj.is_contiguous():
+                self.admit(obj.nbytes)
             flat = obj.detach().contiguous().reshape(-1)
             raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
             dtype = str(obj.dtype).removeprefix("torch.")
@@ -72,13 +79,31 @@ class _Pickler(pickle.Pickler):
 _SCALARS = frozenset({type(None), bool, int, float, complex, str, bytes})
 
 
-def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
+def dumps(obj: Any, admit: Callable[[int], None] | None = None,
+          ) -> tuple[bytes, list[pickle.PickleBuffer]]:
     if type(obj) in _SCALARS:  # the per-call fast path: no buffers, no custom pickler
         return pickle.dumps(obj, protocol=5), []
     buffers: list[pickle.PickleBuffer] = []
     stream = io.BytesIO()
-    _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(obj)
+    pickler = _Pickler(stream, protocol=5, buffer_callback=buffers.append)
+    if admit is not None:
+        pickler.admit = admit
+    pickler.dump(obj)
     return stream.getvalue(), buffers
+
+
+def _room_check(ledger: Ledger, what: str, inline_limit: int) -> Callable[[int], None]:
+    """Refuses (SharedSlotAllocationFailed) a pickling copy that, with the copies before
+    it, could never fit in the ledger's shared memory: before it is made."""
+    copies = 0
+
+    def admit(nbytes: int) -> None:
+        nonlocal copies
+        if nbytes >= inline_limit:
+            copies += nbytes
+            if copies > ledger.room():
+                raise allocation_error(ledger.directory, copies, what)
+    return admit
 
 
 def _address(view: memoryview) -> int:
@@ -93,7 +118,12 @@ def encode(obj: Any, ledger: Ledger, what: str, holders: Iterable[Hashable],
     Raises whatever pickling raises, or SharedSlotAllocationFailed — in both cases
     before anything was sent.  ``holders`` hold every segment the payload lies in.
     """
-    stream, buffers = dumps(obj)
+    stream, buffers = dumps(obj, _room_check(ledger, what, inline_limit))
+    if len(stream) > wire.MAX_FRAME:  # the receiver would drop it unread
+        raise ValueError(
+            f"{what} pickles to {len(stream) >> 20} MiB in-band, above the bus's bound of "
+            f"{wire.MAX_FRAME >> 20} MiB ({MAX_FRAME_ENV}); numpy arrays and tensors travel "
+            f"in shared memory instead, bytes and str do not")
     if not buffers:
         return [], [stream], []
     holders = list(holders)

@@ -75,6 +75,7 @@ class Transport(CallPath):
         self.bus: Bus | None = None
         self.ranks: Ranks | None = None
         self.ipc_dir: str | None = None
+        self._owner_lock = -1  # held from start() to close(): see shm.hold_owner_lock
         self.display: Display | None = None  # start()'s progress display
         self._worker, self._load_kwargs = worker, pickle.dumps(load_kwargs, protocol=5)
         self._init_process_group, self._device = init_process_group, device
@@ -88,6 +89,7 @@ class Transport(CallPath):
     def start(self, timeout: float) -> None:
         """Spawn every rank, handshake, form the group, load(); raises what load() raised."""
         deadline = time.monotonic() + timeout
+        self._owner_lock = shm.hold_owner_lock(self.shm_dir, self.shm_prefix)
         shm.reclaim_dead_owners(self.shm_dir)
         reclaim_dead_ipc_dirs()
         self.ipc_dir = private_dir()
@@ -238,4 +240,7 @@ class Transport(CallPath):
             self.ipc_dir = None
         self.inputs.close()
         self.results.close()
-        shm.remove_prefix(self.shm_dir, self.shm_prefix)
+        shm.remove_prefix(self.shm_dir, self.shm_prefix)  # the lock file too
+        if self._owner_lock >= 0:
+            os.close(self._owner_lock)
+            self._owner_lock = -1

@@ -25,6 +25,7 @@ The header is short on purpose: empty fields are left out, and readers use
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from hashlib import blake2b as _blake2b
 from hmac import compare_digest
@@ -33,12 +34,30 @@ from typing import Any
 import msgpack
 import zmq
 
-from .protocol import EMBED_LIMIT, MAC_FRAMES, MAC_ONE_FRAME, MAC_SIZE, SECRET_SIZE, Field, Kind
+from .protocol import (
+    EMBED_LIMIT,
+    MAC_FRAMES,
+    MAC_ONE_FRAME,
+    MAC_SIZE,
+    MAX_FRAME_DEFAULT,
+    MAX_FRAME_ENV,
+    SECRET_SIZE,
+    Field,
+    Kind,
+)
 
 __all__ = ["MAC_SIZE", "SECRET_SIZE", "EMBED_LIMIT", "Channel", "ProtocolError", "pack",
-           "unpack", "send", "direct_send"]
+           "unpack", "send", "direct_send", "MAX_FRAME", "bounded"]
 
 _SNDMORE = int(zmq.SNDMORE)
+MAX_FRAME = int(os.environ.get(MAX_FRAME_ENV) or MAX_FRAME_DEFAULT)
+
+
+def bounded(sock: zmq.Socket) -> zmq.Socket:
+    """``sock``, which from now on drops any peer that sends a frame over MAX_FRAME
+    (before reading it: a stranger's huge frame costs no memory)."""
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+    return sock
 
 
 class ProtocolError(Exception):

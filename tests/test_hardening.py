@@ -1,0 +1,322 @@
+"""What another local user (or a planted file) must not be able to do to a runner.
+
+Each test sets up what an attacker could set up on a shared machine (a module in
+the working directory, entries in /dev/shm owned by a second user, names taken in
+advance) and checks that the runner works and that nothing foreign is touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import psutil
+import pytest
+import test_runner_death
+from sample_workers import Echo, FullArray, Step
+
+from reactor_dist import DistributedRunner, SharedSlotAllocationFailed, WorkerCrashed, shm, wire
+from reactor_dist.ledger import NAME_TRIES, Ledger
+
+apps = test_runner_death.apps  # runners in a subprocess, to be killed
+
+
+@pytest.fixture
+def other_user():
+    """A second local user (removed afterwards): what it makes is not ours."""
+    if os.geteuid() != 0:
+        pytest.skip("creating a second user takes root")
+    name = f"rdt{os.urandom(3).hex()}"
+    subprocess.run(["useradd", "-M", "-N", "-s", "/usr/sbin/nologin", name], check=True)
+    try:
+        yield lambda *cmd: subprocess.run(["runuser", "-u", name, "--", *cmd], check=True)
+    finally:
+        subprocess.run(["userdel", name], check=False)
+
+
+def dead_pid() -> int:
+    pid = 4_000_000
+    while psutil.pid_exists(pid):
+        pid -= 1
+    return pid
+
+
+def small_runner(**kwargs) -> DistributedRunner:
+    return DistributedRunner(Echo, world_size=2, init_process_group=False, device="cpu",
+                             **kwargs)
+
+PLANTED = """
+import os
+with open({marker!r}, "a") as f:
+    f.write(f"{{os.getpid()}} imported {name}\\n")
+"""
+
+
+def test_a_module_planted_in_the_working_directory_never_runs_in_a_rank(tmp_path, monkeypatch):
+    plant = tmp_path / "cwd"
+    plant.mkdir()
+    marker = tmp_path / "marker"
+    for name in ("argparse", "numpy", "msgpack", "zmq", "psutil"):
+        (plant / f"{name}.py").write_text(PLANTED.format(marker=str(marker), name=name))
+    monkeypatch.chdir(plant)
+    with DistributedRunner(Echo, world_size=2, init_process_group=False, device="cpu") as runner:
+        x = np.arange(1 << 18, dtype=np.float32)[::2]
+        assert np.array_equal(runner.generate(x), x)
+        assert runner.generate(FullArray([4 << 20])).nbytes == 4 << 20
+    assert not marker.exists(), marker.read_text()
+
+
+def test_foreign_entries_in_dev_shm_neither_stop_a_runner_nor_are_touched(other_user):
+    """Another user's directory and file, named like a dead runner's entries."""
+    shm_dir = sticky_dir()
+    base = f"{shm_dir}/rdist.{dead_pid()}.1.ab"
+    foreign_dir, foreign_file = base + ".cd", base + ".in1"
+    try:
+        other_user("mkdir", foreign_dir)
+        other_user("touch", foreign_file)
+        with small_runner(shm_dir=shm_dir) as runner:
+            x = np.ones(1 << 20, np.uint8)
+            assert np.array_equal(runner.generate(x), x)
+        assert os.path.isdir(foreign_dir) and os.path.isfile(foreign_file)
+    finally:
+        subprocess.run(["rm", "-rf", shm_dir], check=False)
+
+
+def test_a_directory_squatting_on_a_runners_names_never_stops_its_shutdown(tmp_path):
+    squat = None
+    try:
+        with small_runner() as runner:
+            runner.generate(np.ones(1 << 20, np.uint8))
+            squat = f"{shm.DEFAULT_DIR}/{runner._transport.shm_prefix}.in99"
+            os.mkdir(squat)
+        assert os.path.isdir(squat)
+    finally:
+        if squat:
+            os.rmdir(squat)
+
+
+def test_ranks_end_after_a_sigkilled_runner_whatever_squats_in_dev_shm(apps):
+    app = apps("idle")
+    app.read_running()
+    squat = f"{shm.DEFAULT_DIR}/{app.info['prefix']}.squat"
+    os.mkdir(squat)
+    try:
+        since = app.kill()
+        test_runner_death.assert_all_gone_within(app.info["ranks"], since, bound=2.0)
+    finally:
+        os.rmdir(squat)
+
+
+def test_names_taken_in_advance_do_not_stop_calls():
+    """Whoever sees one name cannot take the next ones: names carry a random token."""
+    runner = small_runner()
+    prefix = f"{shm.DEFAULT_DIR}/{runner._transport.shm_prefix}."
+    squatted = [f"{prefix}{tag}{n}" for tag in ("in", "r0-") for n in range(1, 40)]
+    for path in squatted:
+        open(path, "x").close()
+    try:
+        with runner:
+            held = [runner.generate(np.full(n << 20, n, np.uint8)) for n in (1, 2, 3, 4)]
+            assert [int(a[0]) for a in held] == [1, 2, 3, 4]
+            assert runner.generate(FullArray([5 << 20])).nbytes == 5 << 20
+    finally:
+        for path in squatted:
+            shm.unlink_quietly(path)
+
+
+def test_a_name_somebody_took_first_is_passed_over(tmp_path):
+    tokens = iter(["taken", "fresh", *["taken"] * NAME_TRIES])
+    (tmp_path / "p.intaken").write_bytes(b"not ours")
+    ledger = Ledger(str(tmp_path), "p", "in", token=lambda: next(tokens))
+    try:
+        assert ledger.acquire(100, "a test", ["r"]).name == "p.infresh"
+        with pytest.raises(SharedSlotAllocationFailed, match="taken"):
+            ledger.acquire(2 << 20, "a test", ["r"])
+        assert (tmp_path / "p.intaken").read_bytes() == b"not ours"
+    finally:
+        ledger.close()
+
+
+def take_pid(pid: int, tries: int = 50) -> subprocess.Popen | None:
+    """A process leading a group of its own under ``pid`` if the kernel hands that pid
+    out again (ns_last_pid, root), else None (the pid is still taken)."""
+    for _ in range(tries):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    return None
+
+
+def test_shutdown_never_signals_the_group_of_a_rank_whose_pid_passed_on():
+    if os.geteuid() != 0:
+        pytest.skip("choosing the next pid (ns_last_pid) takes root")
+    stand_in = None
+    with small_runner() as runner:
+        victim = runner._transport.ranks.procs[1].pid
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(WorkerCrashed):
+            runner.generate(1)  # the crash is reported: its exit status was read
+        stand_in = take_pid(victim)
+    try:
+        if stand_in is not None:  # only where the runner let the pid go before its kill
+            time.sleep(0.1)
+            assert stand_in.poll() is None, "shutdown killed a process that took a dead rank's pid"
+    finally:
+        if stand_in is not None:
+            stand_in.kill()
+            stand_in.wait()
+
+
+NAMESPACED_APP = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    import numpy as np
+    from probe import Probe
+    from sample_workers import Echo
+    from reactor_dist import DistributedRunner
+
+    with DistributedRunner(Echo, world_size=2, init_process_group=False, device="cpu",
+                           shm_dir=sys.argv[1]) as runner:
+        x = np.arange(1 << 20, dtype=np.uint8)
+        runner.generate(x)  # leaves an idle input segment, kept warm
+        print(json.dumps({{"prefix": Probe(runner).shm_prefix}}), flush=True)
+        sys.stdin.readline()
+        print(json.dumps(bool(np.array_equal(runner.generate(x), x))), flush=True)
+""")
+
+
+def sticky_dir() -> str:
+    """A directory like /dev/shm (mode 1777, on tmpfs) that other runners on the machine
+    never look into: what happens there is this test's doing alone."""
+    path = f"{shm.DEFAULT_DIR}/rdt-{os.urandom(4).hex()}"
+    os.mkdir(path)
+    os.chmod(path, 0o1777)
+    return path
+
+
+def test_a_runner_in_another_pid_namespace_keeps_its_segments():
+    """Its pid means nothing outside: a host runner's start must not take it for dead."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a pid namespace takes root and unshare(1)")
+    script = NAMESPACED_APP.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    shm_dir = sticky_dir()
+    # A /tmp of its own: its start must not judge the host's ipc directories by pids
+    # that mean nothing inside (other runners on this machine may be running).
+    inside = 'mount -t tmpfs tmpfs /tmp && exec "$0" -c "$1" "$2"'
+    app = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", inside, sys.executable,
+         script, shm_dir],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/",
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    try:
+        json.loads(app.stdout.readline())
+        entries = sorted(os.listdir(shm_dir))
+        assert any(".in" in name for name in entries)
+        with small_runner(shm_dir=shm_dir) as runner:
+            runner.generate(1)
+        assert sorted(os.listdir(shm_dir)) == entries
+        app.stdin.write("go\n")
+        app.stdin.flush()
+        assert json.loads(app.stdout.readline()) is True
+        assert app.wait(30) == 0
+    finally:
+        with contextlib.suppress(psutil.Error):  # the namespace's init: ends it all
+            for p in psutil.Process(app.pid).children():
+                p.kill()
+        app.kill()
+        app.wait()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+FLOOD = textwrap.dedent("""
+    import sys, zmq
+    push = zmq.Context().socket(zmq.PUSH)
+    push.connect(sys.argv[1])
+    big = bytes(512 << 20)
+    for _ in range(3):
+        push.send(big)
+    push.close(linger=10000)
+""")
+
+
+def peak_rss_reset() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+
+
+def peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
+
+
+def test_huge_forged_frames_cost_the_runner_no_memory_and_no_call(tmp_path):
+    """A stranger on the reply socket sends 512 MiB frames while calls run (1 s timeout)."""
+    with small_runner(call_timeout=1) as runner:
+        runner.generate(1)
+        peak_rss_reset()
+        before = peak_rss()
+        flood = subprocess.Popen([sys.executable, "-c", FLOOD,
+                                  f"ipc://{runner._transport.ipc_dir}/reply"])
+        try:
+            deadline = time.monotonic() + 4
+            calls = 0
+            while time.monotonic() < deadline or flood.poll() is None and calls < 400:
+                assert runner.generate(calls) == calls
+                calls += 1
+            assert flood.wait(30) == 0
+            assert runner.generate("still") == "still" and runner.healthy
+        finally:
+            flood.kill()
+            flood.wait()
+        assert peak_rss() - before < 128 << 20, f"peak grew by {(peak_rss() - before) >> 20} MiB"
+
+
+class Blob(Step):
+    """A result that pickles in-band: ``n`` bytes."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def run(self, worker):
+        return b"x" * self.n
+
+
+def test_a_payload_too_big_for_the_bus_is_refused_by_its_sender(monkeypatch):
+    monkeypatch.setenv("REACTOR_DIST_MAX_FRAME", str(1 << 20))  # the ranks'
+    monkeypatch.setattr(wire, "MAX_FRAME", 1 << 20)  # and the runner's
+    with small_runner() as runner:
+        with pytest.raises(TypeError, match="above the bus's bound"):
+            runner.generate(b"x" * (2 << 20))
+        with pytest.raises(Exception, match="above the bus's bound"):
+            runner.generate(Blob(2 << 20))
+        assert runner.generate(Blob(1000)) == b"x" * 1000 and runner.healthy
+
+
+def test_a_non_contiguous_input_too_big_for_shm_fails_before_any_copy(monkeypatch):
+    shm_dir = sticky_dir()
+    monkeypatch.setenv(shm.LIMIT_ENV, str(64 << 20))
+    try:
+        with small_runner(shm_dir=shm_dir) as runner:
+            base = np.ones(200 << 20, np.uint8)
+            strided = base[::2]  # 100 MiB, copied to be pickled
+            peak_rss_reset()
+            before = peak_rss()
+            with pytest.raises(SharedSlotAllocationFailed, match="100.0 MiB"):
+                runner.generate(strided)
+            assert peak_rss() - before < 32 << 20, "the input was copied before it was refused"
+            x = np.arange(1 << 20, dtype=np.uint8)[::2]
+            assert np.array_equal(runner.generate(x), x) and runner.healthy
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
