@@ -12,7 +12,6 @@ application's task would see it. Target: each ≤ generate(1) + 50 µs.
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 from collections.abc import Callable
 
@@ -20,7 +19,7 @@ from benchmarks.config import Settings
 from benchmarks.families.overhead import INPUT
 from benchmarks.implementations.pools import EchoRunner
 from benchmarks.report.results import Results, Row
-from benchmarks.report.stats import record_calls, summarize
+from benchmarks.report.stats import alternate_blocks, record_calls, summarize
 
 WORLD_SIZE = 2
 TARGET_S = 50e-6  # above generate(1)
@@ -62,15 +61,8 @@ def measure(settings: Settings, results: Results) -> None:
                 _agenerate_block(runner, n, into)),
             ASTREAM: lambda n, into: loop.run_until_complete(_astream_block(runner, n, into)),
         }
-        for run in blocks.values():
-            run(s.aio_warmup, [])
-        gc.collect()
-        samples: dict[str, list[float]] = {k: [] for k in blocks}
-        block = max(1, -(-s.aio_calls // s.aio_rounds))
-        for r in range(s.aio_rounds):
-            order = list(blocks) if r % 2 == 0 else list(blocks)[::-1]
-            for key in order:
-                blocks[key](block, samples[key])
+        samples = alternate_blocks(blocks, calls=s.aio_calls, warmup=s.aio_warmup,
+                                   rounds=s.aio_rounds)
     finally:
         loop.close()
         echo.close()

@@ -9,14 +9,13 @@ same, and the caller's part alone in process.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 
 from benchmarks.config import Settings
 from benchmarks.families.overhead import INPUT
 from benchmarks.implementations.pools import EchoRunner
 from benchmarks.report.results import Results, Row
-from benchmarks.report.stats import record_calls, summarize
+from benchmarks.report.stats import alternate_blocks, record_calls, summarize
 
 WORLD_SIZE = 2
 TARGET_S = 5e-6
@@ -35,15 +34,8 @@ def measure(settings: Settings, results: Results) -> None:
                 record_calls(lambda: runner.generate(INPUT), n, into)
             return run
 
-        blocks = {ON: block(True), OFF: block(False)}
-        for run in blocks.values():
-            run(s.aio_warmup, [])
-        gc.collect()
-        samples: dict[str, list[float]] = {k: [] for k in blocks}
-        size = max(1, -(-s.aio_calls // s.aio_rounds))
-        for r in range(s.aio_rounds):
-            for key in (list(blocks) if r % 2 == 0 else list(blocks)[::-1]):
-                blocks[key](size, samples[key])
+        samples = alternate_blocks({ON: block(True), OFF: block(False)}, calls=s.aio_calls,
+                                   warmup=s.aio_warmup, rounds=s.aio_rounds)
     finally:
         echo.close()
     for key, v in samples.items():

@@ -52,6 +52,21 @@ def time_calls(fn: Callable[[], object], *, n: int, warmup: int) -> Stats:
     return summarize(samples)
 
 
+def alternate_blocks(blocks: dict[str, Callable[[int, list[float]], None]], *, calls: int,
+                     warmup: int, rounds: int) -> dict[str, list[float]]:
+    """Samples of each block, timed in alternating blocks (the order flipping every round)
+    after ``warmup`` untimed calls each; ``blocks[k](n, into)`` times n calls into ``into``."""
+    for run in blocks.values():
+        run(warmup, [])
+    gc.collect()
+    samples: dict[str, list[float]] = {k: [] for k in blocks}
+    size = max(1, -(-calls // rounds))
+    for r in range(rounds):
+        for key in (list(blocks) if r % 2 == 0 else list(blocks)[::-1]):
+            blocks[key](size, samples[key])
+    return samples
+
+
 def record_calls(fn: Callable[[], object], count: int, into: list[float]) -> None:
     """Append the seconds each of ``count`` calls of ``fn`` took; each result is dropped
     before the next call."""
