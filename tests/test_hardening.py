@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -212,14 +213,14 @@ def test_a_runner_in_another_pid_namespace_keeps_its_segments():
         pytest.skip("a pid namespace takes root and unshare(1)")
     script = NAMESPACED_APP.format(tests=os.path.dirname(os.path.abspath(__file__)))
     shm_dir = sticky_dir()
-    # A /tmp of its own: its start must not judge the host's ipc directories by pids
-    # that mean nothing inside (other runners on this machine may be running).
-    inside = 'mount -t tmpfs tmpfs /tmp && exec "$0" -c "$1" "$2"'
+    # Its ipc directory goes in a private TMPDIR. (Its start still judges other ipc
+    # directories in /tmp by pids that mean nothing inside: no other runner of this
+    # process is alive now. /tmp itself stays visible: the checkout may live there.)
+    tmpdir = tempfile.mkdtemp(prefix="rdt-ns-")
     app = subprocess.Popen(
-        ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", inside, sys.executable,
-         script, shm_dir],
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", script, shm_dir],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/",
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), TMPDIR=tmpdir))
     try:
         json.loads(app.stdout.readline())
         entries = sorted(os.listdir(shm_dir))
@@ -238,6 +239,7 @@ def test_a_runner_in_another_pid_namespace_keeps_its_segments():
         app.kill()
         app.wait()
         shutil.rmtree(shm_dir, ignore_errors=True)
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 FLOOD = textwrap.dedent("""
