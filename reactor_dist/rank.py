@@ -4,7 +4,7 @@ Life of a rank (messages in :mod:`reactor_dist.protocol`)::
 
     read the Bootstrap from stdin (secret, addresses, worker class, load_kwargs)
     watch the runner's pid -> if it dies: remove its /dev/shm entries, kill own group
-    connect SUB (commands) + PUSH (replies); rank 0 opens the rendezvous store (port 0)
+    connect SUB (commands) + PUSH (replies); import torch when a group is to be formed
     Kind.PING  -> Kind.PONG        (handshake: proves our subscription is live)
     Kind.INIT  -> Kind.READY       (set device, form the torch.distributed group, load())
     Kind.CALL  -> Kind.REPLY       (generate/reset; rank 0 alone sends the result payload)
@@ -96,7 +96,6 @@ class RankServer:
         self.world_size = boot.world_size
         self.channel = wire.Channel(boot.secret)
         self.worker: Any = None
-        self.store = None
         self.last_seq = 0
         self.rejected = 0
         # Rank 0's results (owned here); the runner's inputs (mapped here, copy-on-write).
@@ -135,8 +134,7 @@ class RankServer:
                     pass
             shm.remove_prefix(self.boot.shm_dir, self.boot.shm_prefix)
             # The runner's private ipc directory too: nobody else will ever remove it.
-            shutil.rmtree(os.path.dirname(self.boot.cmd_addr.removeprefix("ipc://")),
-                          ignore_errors=True)
+            shutil.rmtree(self.private_dir(), ignore_errors=True)
         finally:
             os.killpg(os.getpgrp(), signal.SIGKILL)
             os._exit(1)
@@ -168,22 +166,20 @@ class RankServer:
         self.close()
         return 0
 
+    def private_dir(self) -> str:
+        """The runner's private 0700 directory (it holds the sockets and the store)."""
+        return os.path.dirname(self.boot.cmd_addr.removeprefix("ipc://"))
+
     def open_rendezvous(self) -> int:
-        """Rank 0 binds the store on port 0 and reports the port: no race for a free port.
+        """The group's store is a file in the runner's private 0700 directory (see
+        form_group): no port to report, none that another local user could reach.
 
         Every rank imports torch here, before the handshake, so that the ranks pay
         for the import side by side rather than one after the other."""
-        if not (self.boot.init_process_group and self.world_size > 1):
-            return 0
-        self.progress.phase(IMPORTING)
-        from torch.distributed import TCPStore
-
-        if self.rank != 0:
-            return 0
-        self.store = TCPStore("127.0.0.1", 0, self.world_size, True,
-                              timeout=timedelta(seconds=self.boot.start_timeout),
-                              wait_for_workers=False)
-        return self.store.port
+        if self.boot.init_process_group and self.world_size > 1:
+            self.progress.phase(IMPORTING)
+            import torch.distributed  # noqa: F401
+        return 0
 
     def init(self, header: dict[str, Any]) -> None:
         reply: dict[str, Any] = {Field.KIND: Kind.READY, Field.SEQ: header[Field.SEQ],
@@ -209,12 +205,13 @@ class RankServer:
         self.send(reply, body)
 
     def form_group(self, device: str, port: int) -> None:
-        """Form the torch.distributed group (nccl on CUDA, gloo on CPU) on rank 0's store."""
+        """Form the torch.distributed group (nccl on CUDA, gloo on CPU) on a FileStore in
+        the runner's private directory: only the runner's user can reach it."""
         import torch.distributed as dist
 
         timeout = timedelta(seconds=self.boot.start_timeout)
-        store = self.store or dist.TCPStore("127.0.0.1", port, self.world_size, False,
-                                            timeout=timeout)
+        store = dist.FileStore(os.path.join(self.private_dir(), "store"), self.world_size)
+        store.set_timeout(timeout)
         backend = "nccl" if device.startswith("cuda") else "gloo"
         dist.init_process_group(backend, store=store, rank=self.rank,
                                 world_size=self.world_size, timeout=timeout)

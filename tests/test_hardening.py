@@ -322,3 +322,16 @@ def test_a_non_contiguous_input_too_big_for_shm_fails_before_any_copy(monkeypatc
             assert np.array_equal(runner.generate(x), x) and runner.healthy
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def test_the_group_meets_in_a_store_only_the_runners_user_can_reach():
+    """The torch.distributed rendezvous is a FileStore in the private 0700 directory,
+    not a TCP port on loopback that any local user could connect to."""
+    from probe import Probe
+
+    with DistributedRunner(Echo, world_size=2, init_process_group=True, device="cpu") as runner:
+        private = Probe(runner).ipc_dir
+        assert "store" in os.listdir(private)
+        assert os.stat(private).st_mode & 0o777 == 0o700
+        assert os.stat(private).st_uid == os.getuid()
+        assert runner.generate("formed") == "formed"
