@@ -10,8 +10,10 @@ before anything in it is decoded; what is not ours is dropped unread.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import os
+import secrets
 import shutil
 import stat
 import tempfile
@@ -20,8 +22,8 @@ from typing import Any
 import psutil
 import zmq
 
-from . import wire
-from .protocol import IPC_DIR_PREFIX, Field, Kind, ipc_dir_owner
+from . import shm, wire
+from .protocol import IPC_DIR_PREFIX, OWNER_LOCK, Field, Kind, ipc_dir_owner
 
 # A wait may end this much before or after its deadline: a call's second receive then
 # keeps the first one's RCVTIMEO instead of setting it anew.
@@ -30,8 +32,10 @@ FOREVER_MS = 1 << 62
 
 
 def reclaim_dead_ipc_dirs() -> None:
-    """Private directories of runners killed together with their ranks: their owner's
-    pid is in the name; a dead owner's directory is ours to remove (never a live one's)."""
+    """Private directories of runners killed together with their ranks: a dead owner's
+    directory is ours to remove (never a live one's).  A live owner holds the lock
+    inside it (its pid may mean nothing here: another pid namespace); a directory
+    without one, of an older version, is judged by the pid in its name."""
     for base in {tempfile.gettempdir(), "/tmp"}:
         try:
             names = os.listdir(base)
@@ -44,18 +48,34 @@ def reclaim_dead_ipc_dirs() -> None:
             path = os.path.join(base, name)
             with contextlib.suppress(OSError):
                 st = os.lstat(path)  # never a link, never another user's
-                if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and \
-                        not psutil.pid_exists(owner):
+                if not (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()):
+                    continue
+                lock = os.path.join(path, OWNER_LOCK)
+                dead = shm.lock_free(lock) if os.path.lexists(lock) else \
+                    not psutil.pid_exists(owner)
+                if dead:
                     shutil.rmtree(path, ignore_errors=True)
 
 
-def private_dir() -> str:
-    prefix = f"{IPC_DIR_PREFIX}{os.getpid()}-"
-    path = tempfile.mkdtemp(prefix=prefix)  # mode 0700
-    if len(path) > 90:  # ipc:// paths are limited to ~107 bytes
-        os.rmdir(path)
-        path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
-    return path
+def private_dir() -> tuple[str, int]:
+    """A new private directory (mode 0700) and the descriptor that holds the lock inside
+    it while its runner lives.  The directory gets its name only once locked, so that
+    nobody ever sees it unlocked while its owner lives."""
+    base = tempfile.gettempdir()
+    if len(base) > 60:  # ipc:// paths are limited to ~107 bytes
+        base = "/tmp"
+    draft = tempfile.mkdtemp(prefix=".reactor-dist-draft-", dir=base)
+    fd = os.open(os.path.join(draft, OWNER_LOCK), os.O_CREAT | os.O_EXCL | os.O_RDWR |
+                 os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path = os.path.join(base, f"{IPC_DIR_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+        os.rename(draft, path)
+    except BaseException:
+        os.close(fd)
+        shutil.rmtree(draft, ignore_errors=True)
+        raise
+    return path, fd
 
 
 class Bus:

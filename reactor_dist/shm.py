@@ -258,7 +258,7 @@ def hold_owner_lock(directory: str, prefix: str) -> int:
     return fd
 
 
-def _lock_free(path: str) -> bool:
+def lock_free(path: str) -> bool:
     """Whether nobody holds the owner lock at ``path`` (its owner is dead)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -290,7 +290,7 @@ def reclaim_dead_owners(directory: str) -> int:
         runner = ".".join(name.split(".")[:4])
         if runner not in alive:
             lock = f"{runner}.{OWNER_LOCK}"
-            alive[runner] = not _lock_free(os.path.join(directory, lock)) \
+            alive[runner] = not lock_free(os.path.join(directory, lock)) \
                 if lock in names else _owner_alive(*key)
         if not alive[runner]:
             unlink_quietly(path)

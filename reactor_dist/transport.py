@@ -76,6 +76,7 @@ class Transport(CallPath):
         self.ranks: Ranks | None = None
         self.ipc_dir: str | None = None
         self._owner_lock = -1  # held from start() to close(): see shm.hold_owner_lock
+        self._dir_lock = -1  # the lock in the private directory: see bus.private_dir
         self.display: Display | None = None  # start()'s progress display
         self._worker, self._load_kwargs = worker, pickle.dumps(load_kwargs, protocol=5)
         self._init_process_group, self._device = init_process_group, device
@@ -92,7 +93,7 @@ class Transport(CallPath):
         self._owner_lock = shm.hold_owner_lock(self.shm_dir, self.shm_prefix)
         shm.reclaim_dead_owners(self.shm_dir)
         reclaim_dead_ipc_dirs()
-        self.ipc_dir = private_dir()
+        self.ipc_dir, self._dir_lock = private_dir()
         self.bus = Bus(self.secret, self.ipc_dir, self.world_size)
         self.ranks = Ranks(self.world_size, self.bus.tell_death, self.rank_output)
         self.display = Display(self.world_size)
@@ -238,6 +239,7 @@ class Transport(CallPath):
         if self.ipc_dir is not None:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
             self.ipc_dir = None
+            os.close(self._dir_lock)
         self.inputs.close()
         self.results.close()
         shm.remove_prefix(self.shm_dir, self.shm_prefix)  # the lock file too

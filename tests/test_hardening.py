@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 
@@ -208,38 +207,41 @@ def sticky_dir() -> str:
 
 
 def test_a_runner_in_another_pid_namespace_keeps_its_segments():
-    """Its pid means nothing outside: a host runner's start must not take it for dead."""
+    """Its pid means nothing outside: a host runner's start must not take it for dead,
+    nor may its start take the host runner for dead (its ipc directory stays)."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("a pid namespace takes root and unshare(1)")
+    from probe import Probe
+
     script = NAMESPACED_APP.format(tests=os.path.dirname(os.path.abspath(__file__)))
     shm_dir = sticky_dir()
-    # Its ipc directory goes in a private TMPDIR. (Its start still judges other ipc
-    # directories in /tmp by pids that mean nothing inside: no other runner of this
-    # process is alive now. /tmp itself stays visible: the checkout may live there.)
-    tmpdir = tempfile.mkdtemp(prefix="rdt-ns-")
-    app = subprocess.Popen(
-        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", script, shm_dir],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/",
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), TMPDIR=tmpdir))
-    try:
-        json.loads(app.stdout.readline())
-        entries = sorted(os.listdir(shm_dir))
-        assert any(".in" in name for name in entries)
-        with small_runner(shm_dir=shm_dir) as runner:
-            runner.generate(1)
-        assert sorted(os.listdir(shm_dir)) == entries
-        app.stdin.write("go\n")
-        app.stdin.flush()
-        assert json.loads(app.stdout.readline()) is True
-        assert app.wait(30) == 0
-    finally:
-        with contextlib.suppress(psutil.Error):  # the namespace's init: ends it all
-            for p in psutil.Process(app.pid).children():
-                p.kill()
-        app.kill()
-        app.wait()
-        shutil.rmtree(shm_dir, ignore_errors=True)
-        shutil.rmtree(tmpdir, ignore_errors=True)
+    with small_runner(shm_dir=shm_dir) as host:
+        host_dir = Probe(host).ipc_dir
+        app = subprocess.Popen(
+            ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", script,
+             shm_dir],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/",
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        try:
+            json.loads(app.stdout.readline())  # started: it reclaimed what it took for dead
+            assert os.path.isdir(host_dir) and "cmd" in os.listdir(host_dir)
+            entries = sorted(os.listdir(shm_dir))
+            assert any(".in" in name for name in entries)
+            with small_runner(shm_dir=shm_dir) as runner:
+                runner.generate(1)
+            assert sorted(os.listdir(shm_dir)) == entries
+            app.stdin.write("go\n")
+            app.stdin.flush()
+            assert json.loads(app.stdout.readline()) is True
+            assert app.wait(30) == 0
+            assert host.generate("still here") == "still here"
+        finally:
+            with contextlib.suppress(psutil.Error):  # the namespace's init: ends it all
+                for p in psutil.Process(app.pid).children():
+                    p.kill()
+            app.kill()
+            app.wait()
+    shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 FLOOD = textwrap.dedent("""

@@ -116,7 +116,7 @@ def test_private_directory_is_0700_and_removed():
     runner.start()
     ipc_dir = Probe(runner).ipc_dir
     assert stat.S_IMODE(os.stat(ipc_dir).st_mode) == 0o700
-    assert sorted(os.listdir(ipc_dir)) == ["cmd", "reply"]
+    assert sorted(os.listdir(ipc_dir)) == ["cmd", "lock", "reply"]
     pids = Probe(runner).rank_pids
     runner.shutdown()
     assert not os.path.exists(ipc_dir)

@@ -254,7 +254,7 @@ def test_shm_entries_are_0600_and_the_ipc_directory_0700():
             assert mode == 0o600, f"{name} is {mode:o}"
         assert stat.S_IMODE(os.stat(group.ipc_dir).st_mode) == 0o700
         assert os.stat(group.ipc_dir).st_uid == os.getuid()
-        assert sorted(os.listdir(group.ipc_dir)) == ["cmd", "reply"]
+        assert sorted(os.listdir(group.ipc_dir)) == ["cmd", "lock", "reply"]
         del held
 
 
