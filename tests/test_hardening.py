@@ -211,10 +211,18 @@ def test_a_runner_in_another_pid_namespace_keeps_its_segments():
     nor may its start take the host runner for dead (its ipc directory stays)."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("a pid namespace takes root and unshare(1)")
-    from probe import Probe
 
     script = NAMESPACED_APP.format(tests=os.path.dirname(os.path.abspath(__file__)))
     shm_dir = sticky_dir()
+    try:
+        namespaced_beside_host(script, shm_dir)
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def namespaced_beside_host(script: str, shm_dir: str) -> None:
+    from probe import Probe
+
     with small_runner(shm_dir=shm_dir) as host:
         host_dir = Probe(host).ipc_dir
         app = subprocess.Popen(
@@ -241,7 +249,6 @@ def test_a_runner_in_another_pid_namespace_keeps_its_segments():
                     p.kill()
             app.kill()
             app.wait()
-    shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 FLOOD = textwrap.dedent("""
