@@ -133,6 +133,7 @@ class Turn:
         from .runner import READY
 
         runner, transport = self.runner, self.runner._transport
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with runner._lock:
                 holder = runner._open() if runner._open is not None else None
@@ -144,8 +145,13 @@ class Turn:
                     abandoned, runner._abandoned = runner._abandoned, None
                 else:
                     abandoned = None
-            if abandoned is None:
-                await asyncio.sleep(OTHER_THREAD_POLL)  # another thread's call is open
+            if abandoned is None:  # another thread's stream or call is open
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"{holder.what} is still open in another thread after {timeout:g} s: "
+                        f"this call waited for it and gave up (nothing was sent; the runner "
+                        f"stays healthy)")
+                await asyncio.sleep(OTHER_THREAD_POLL)
                 continue
             abandoned.abandon()
             try:

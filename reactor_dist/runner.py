@@ -19,6 +19,7 @@ import asyncio
 import logging
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from time import perf_counter
@@ -321,7 +322,10 @@ class DistributedRunner:
         raise verdict.error
 
     def _send(self, method: str, value: Any, timeout: float | None) -> PendingCall:
-        """Under the lock: once no stream is open and an abandoned one ended, publish."""
+        """Under the lock: once no stream is open and an abandoned one ended, publish.
+        Another thread's open stream is waited for at most ``timeout`` (TimeoutError;
+        the runner stays healthy)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while self._open is not None:
             holder = self._open()
             if holder is None:  # a stream collected: it has left (and said so) or is leaving
@@ -331,8 +335,14 @@ class DistributedRunner:
                 raise RuntimeError(
                     f"{holder.what} is still open in this thread: iterate it to the end or "
                     f"close() it (or await it) before the next call")
+            what = holder.what
             del holder
-            self._turn.wait()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(
+                    f"{what} is still open in another thread after {timeout:g} s: this call "
+                    f"waited for it and gave up (nothing was sent; the runner stays healthy)")
+            self._turn.wait(left)
         if self._state[0] != READY:
             self._check_usable()  # raises
         try:

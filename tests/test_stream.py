@@ -282,3 +282,23 @@ def test_stream_fault_matrix(where, rank, means, tmp_path):
     assert wait_gone(pids, timeout=2.0) == []
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix + ".")]
     assert not os.path.exists(ipc_dir)
+
+
+def test_a_call_waiting_for_another_threads_stream_gives_up_at_its_timeout(counts):
+    stream = None
+
+    def open_stream() -> None:
+        nonlocal stream
+        stream = counts.stream(2)
+        next(stream)
+
+    opener = threading.Thread(target=open_stream)
+    opener.start()
+    opener.join(10)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"still open in another thread after 0.3 s"):
+        counts.generate(1, timeout=0.3)
+    assert 0.3 <= time.monotonic() - started < 2
+    assert counts.healthy
+    stream.close()
+    assert counts.generate(1) == [{"i": 0, "rank": 0}]
