@@ -51,6 +51,7 @@ __all__ = ["MAC_SIZE", "SECRET_SIZE", "EMBED_LIMIT", "Channel", "ProtocolError",
 
 _SNDMORE = int(zmq.SNDMORE)
 MAX_FRAME = int(os.environ.get(MAX_FRAME_ENV) or MAX_FRAME_DEFAULT)
+COPY_LIMIT = 64 << 10  # received frames up to this size are copied into bytes (cheaper)
 
 
 def bounded(sock: zmq.Socket) -> zmq.Socket:
@@ -104,10 +105,10 @@ class Channel:
         """Verify and decode one message: ``(header, body frames)``, else ProtocolError."""
         if not parts:
             raise ProtocolError("empty message")
-        first = parts[0] if type(parts[0]) is bytes else bytes(memoryview(parts[0]))
+        first = parts[0] if type(parts[0]) is bytes else memoryview(parts[0])
         if len(first) <= MAC_SIZE:
             raise ProtocolError(f"first frame has {len(first)} bytes: no room for MAC and header")
-        head = first[MAC_SIZE:]
+        head = first[MAC_SIZE:]  # a view when ``first`` is one: copied only once authentic
         if len(parts) == 1:  # the common message, its MAC inline
             frames = [head]
             digest = self._one_frame.copy()
@@ -116,7 +117,7 @@ class Channel:
         else:
             frames = [head, *parts[1:]]
             expected = self.mac(frames)
-        if not compare_digest(first[:MAC_SIZE], expected):
+        if not compare_digest(bytes(first[:MAC_SIZE]), expected):
             raise ProtocolError("MAC mismatch: message not signed with this runner's secret")
         try:
             header = msgpack.unpackb(head, raw=False, strict_map_key=True)
@@ -148,12 +149,14 @@ class Channel:
         """Receive and verify one whole message (blocking; zmq.Again after RCVTIMEO).
 
         Frames are taken as zmq.Frame, whose ``more`` flag is a plain attribute: asking
-        the socket for RCVMORE goes through pyzmq's option enum, about 1 us a message."""
+        the socket for RCVMORE goes through pyzmq's option enum, about 1 us a message.
+        A frame over COPY_LIMIT stays a view of ZeroMQ's buffer: a stranger's big
+        forged frame is never copied, and an authentic big body is copied no more."""
         frame = sock.recv(copy=False)
-        parts = [frame.bytes]
+        parts = [frame.bytes if len(frame) <= COPY_LIMIT else frame.buffer]
         while frame.more:
             frame = sock.recv(copy=False)
-            parts.append(frame.bytes)
+            parts.append(frame.bytes if len(frame) <= COPY_LIMIT else frame.buffer)
         return self.unpack(parts)
 
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import tracemalloc
 
 import numpy as np
 import psutil
@@ -255,9 +256,11 @@ FLOOD = textwrap.dedent("""
     import sys, zmq
     push = zmq.Context().socket(zmq.PUSH)
     push.connect(sys.argv[1])
-    big = bytes(512 << 20)
+    size = int(sys.argv[2]) if len(sys.argv) > 2 else 512 << 20
+    big = bytes(size)
     for _ in range(3):
         push.send(big)
+        push.send_multipart([bytes(100), big])
     push.close(linger=10000)
 """)
 
@@ -292,6 +295,33 @@ def test_huge_forged_frames_cost_the_runner_no_memory_and_no_call(tmp_path):
             flood.kill()
             flood.wait()
         assert peak_rss() - before < 128 << 20, f"peak grew by {(peak_rss() - before) >> 20} MiB"
+
+
+def test_forged_frames_under_the_bound_are_never_copied_before_their_mac_fails():
+    """200 MiB forged frames (under the 256 MiB bound) reach the runner's reply socket:
+    it checks their MAC on ZeroMQ's own buffer, so Python never allocates their size."""
+    with small_runner() as runner:
+        runner.generate(1)
+        tracemalloc.start()
+        try:
+            flood = subprocess.Popen([sys.executable, "-c", FLOOD,
+                                      f"ipc://{runner._transport.ipc_dir}/reply", str(200 << 20)])
+            try:
+                calls = 0
+                while flood.poll() is None and calls < 2000:
+                    assert runner.generate(calls) == calls
+                    calls += 1
+                assert flood.wait(30) == 0
+                for n in range(20):  # the reply socket reads its peers in turn: drain it
+                    assert runner.generate(n) == n
+            finally:
+                flood.kill()
+                flood.wait()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert runner.healthy
+    assert peak < 32 << 20, f"Python allocated up to {peak >> 20} MiB for forged frames"
 
 
 class Blob(Step):
