@@ -7,6 +7,11 @@ PY     := $(VENV)/bin/python
 # local wheel cache or mirror that holds the CPU build gives that one. Choose on purpose,
 # e.g. make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 TORCH_SPEC ?= torch==2.13.0
+# Ray for placement="ray" and its tests, likewise installed first when absent.
+RAY_SPEC ?= ray==2.60.0
+# Ray, in every target: simulated nodes on 127.0.0.1, no usage reports.
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER = 0
+export RAY_USAGE_STATS_ENABLED = 0
 
 .PHONY: venv test test-slow demo bench bench-quick bench-per-call gpu-check lint clean
 
@@ -17,7 +22,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# A torch already in the environment is kept; else TORCH_SPEC (see above).
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -c "import ray" 2>/dev/null || $(PY) -m pip install -q $(RAY_SPEC)
+	$(PY) -m pip install -q -e ".[dev,ray]"
 	touch $@
 
 test: venv

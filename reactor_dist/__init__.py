@@ -1,4 +1,5 @@
-"""reactor_dist: run one model's parallel inference across the GPUs of one machine.
+"""reactor_dist: run one model's parallel inference across the GPUs of one machine
+(or, with ``placement="ray"``, of several).
 
 Wrap a worker class in :class:`DistributedRunner`; it starts one process per GPU,
 sends every ``generate(input)`` to every rank, waits for all of them and returns
@@ -8,6 +9,7 @@ as the exceptions below (never as a hang).
 
 from .errors import (
     MainGuardMissing,
+    PlacementFailed,
     RankDesync,
     ReactorDistError,
     RemoteError,
@@ -23,6 +25,7 @@ __all__ = [
     "DistributedRunner",
     "DistributedWorker",
     "MainGuardMissing",
+    "PlacementFailed",
     "RankDesync",
     "ReactorDistError",
     "RemoteError",

@@ -1,10 +1,12 @@
 """The runner's end of the message bus: PUB for commands, PULL for replies.
 
 Both sockets are bound on ``ipc://`` paths in the runner's private directory
-(mode 0700).  The death watch's notices arrive on the PULL socket too (over
-inproc), so that waiting for a call's replies is one blocking receive, which a
-death also wakes.  Every message is authenticated (:mod:`reactor_dist.wire`)
-before anything in it is decoded; what is not ours is dropped unread.
+(mode 0700); with ranks on other nodes (placement="ray") also on TCP, encrypted and
+authenticated by CurveZMQ (:meth:`Bus.open_tcp`).  The death watch's notices
+arrive on the PULL socket too (over inproc), so that waiting for a call's replies
+is one blocking receive, which a death also wakes.  Every message is authenticated
+(:mod:`reactor_dist.wire`) before anything in it is decoded; what is not ours is
+dropped unread.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import logging
 import os
 import secrets
 import shutil
@@ -29,6 +32,7 @@ from .protocol import IPC_DIR_PREFIX, OWNER_LOCK, Field, Kind, ipc_dir_owner
 # keeps the first one's RCVTIMEO instead of setting it anew.
 TIMEOUT_SLACK_MS = 5
 FOREVER_MS = 1 << 62
+ZAP_DOMAIN = "reactor-dist"
 
 
 def reclaim_dead_ipc_dirs() -> None:
@@ -103,7 +107,32 @@ class Bus:
         self.pull_fd = self.pull.get(zmq.FD)  # for an event loop's add_reader (aio.py)
         self.pull_events = functools.partial(super(zmq.Socket, self.pull).get, zmq.EVENTS)
         self._pub_open = False  # a multipart command is half-sent (interrupted)
+        self.auth: Any = None  # zmq.auth's thread, once open_tcp() admits remote ranks
         self._pull_timeout = -1  # the PULL socket's RCVTIMEO, in ms
+
+    def open_tcp(self, address: str, clients: set[bytes]) -> tuple[str, str, bytes]:
+        """Bind both sockets on ``address`` (this node's, as Ray reports it) too, for
+        ranks on other nodes: CurveZMQ under a new server keypair, and only the
+        ``clients``' public keys admitted (zmq.auth); the ipc endpoints, bound before,
+        stay plain.  Returns (command address, reply address, server public key)."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        public, secret = zmq.curve_keypair()
+        self.auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("reactor_dist.auth"))
+        self.auth.start()
+        self.auth.configure_curve_callback(domain=ZAP_DOMAIN,
+                                           credentials_provider=_Admitted(clients))
+        host = f"[{address}]" if ":" in address else address
+        addresses = []
+        for sock in (self.pub, self.pull):
+            if ":" in address:
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.curve_server, sock.curve_secretkey, sock.curve_publickey = True, secret, public
+            sock.zap_domain = ZAP_DOMAIN.encode()
+            port = sock.bind_to_random_port(f"tcp://{host}")
+            addresses.append(f"tcp://{host}:{port}")
+        self.server_key = public
+        return addresses[0], addresses[1], public
 
     def publish(self, header: dict[str, Any], body: list | tuple = ()) -> None:
         """Send one command to every rank."""
@@ -147,4 +176,16 @@ class Bus:
     def close(self) -> None:
         self.pub.close(linger=0)
         self.pull.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.term()
+
+
+class _Admitted:
+    """zmq.auth's CURVE credentials provider: the runner's own ranks' keys alone."""
+
+    def __init__(self, keys: set[bytes]) -> None:
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return domain == ZAP_DOMAIN and key in self.keys

@@ -83,6 +83,7 @@ class CallPath:
     results: Mapped
     owing: dict[int, int]
     interrupted: int
+    inline_limit: int = transfer.INLINE_LIMIT  # IN_BAND when a rank is on another node
 
     def crashed(self, dead: list[int], what: str) -> WorkerCrashed:
         raise NotImplementedError
@@ -115,7 +116,8 @@ class CallPath:
             self.inputs.new_call()
             try:
                 descriptors, body, _ = transfer.encode(
-                    value, self.inputs, "the input of generate()", holders=range(self.world_size))
+                    value, self.inputs, "the input of generate()", holders=range(self.world_size),
+                    inline_limit=self.inline_limit)
             except shm.SharedSlotAllocationFailed:
                 raise
             except Exception as exc:

@@ -53,6 +53,11 @@ class MainGuardMissing(ReactorDistError, RuntimeError):
     lacks ``if __name__ == "__main__":``.  start() raises it in the caller."""
 
 
+class PlacementFailed(ReactorDistError, RuntimeError):
+    """Ray could not place the ranks (placement="ray"): the cluster lacks the resources
+    the message names.  start() raises it; nothing stays reserved."""
+
+
 class RemoteError(ReactorDistError, RuntimeError):
     """Stands in for a rank's exception that could not cross the process boundary."""
 

@@ -63,6 +63,8 @@ def signal_name(signum: int) -> str:
 class RankProcess:
     """One rank's subprocess and its output."""
 
+    hosted = False  # a child of this process (placement.HostedRank: a Ray actor's)
+
     def __init__(self, rank: int, cmd: list[str], env: dict[str, str], cwd: str,
                  bootstrap: bytes, output: str = "stderr") -> None:
         self.rank = rank
@@ -148,6 +150,8 @@ class DeathWatch:
 
     def __init__(self, on_death: Callable[[list[int]], None]) -> None:
         self._on_death = on_death
+        self._noticed = threading.Lock()  # held for good by the one notice
+        self._hosted: list[Any] = []  # placement.HostedRank: their watch calls notice()
         self._fds: dict[int, int] = {}  # pidfd -> rank
         self._unwatched: list[RankProcess] = []  # no pidfd: checked every POLL_MS
         self.fired = False  # a rank has died (read by the caller's thread)
@@ -183,9 +187,19 @@ class DeathWatch:
             dead = {fds[fd] for fd in fired} | \
                 {p.rank for p in self._unwatched if not p.alive()}
             if dead:
-                self.fired = True
-                self._on_death(sorted(dead))
+                self.notice(sorted(dead))
                 return
+
+    def hosted(self, proc: Any) -> None:
+        """Count ``proc`` (a placement.HostedRank) among the ranks :meth:`dead` names;
+        its own watch calls :meth:`notice`."""
+        self._hosted.append(proc)
+
+    def notice(self, dead: list[int]) -> None:
+        """The first death alone reaches ``on_death``."""
+        if self._noticed.acquire(blocking=False):
+            self.fired = True
+            self._on_death(dead)
 
     def dead(self) -> list[int]:
         if not self.fired:
@@ -194,7 +208,8 @@ class DeathWatch:
         for fd in self._fds:
             fired.register(fd, select.POLLIN)
         dead = {self._fds[fd] for fd, _ in fired.poll(0)}
-        return sorted(dead | {p.rank for p in self._unwatched if not p.alive()})
+        gone = [*self._unwatched, *self._hosted]
+        return sorted(dead | {p.rank for p in gone if not p.alive()})
 
     def close(self) -> None:
         """End the thread and close the pidfds; deaths are expected from here on."""
@@ -220,16 +235,18 @@ class Ranks:
         self.watch = DeathWatch(on_death)
 
     def spawn(self, rank: int, bootstrap: bytes, *, master_port: int, env: dict[str, str],
-              gpus: list[int] | None, launch_prefix: list[str]) -> None:
+              gpus: list[int] | None, launch_prefix: list[str],
+              torch_env: dict[str, str] | None = None) -> None:
         """Start rank ``rank``: ``python -P -m reactor_dist.rank`` (behind ``launch_prefix``)
-        with the torchrun environment and ``env``; the bootstrap goes to its stdin."""
+        with the torchrun environment (``torch_env``, else this machine's) and ``env``;
+        the bootstrap goes to its stdin."""
         full_env = dict(os.environ)
         full_env.update(env)
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         full_env["PYTHONPATH"] = os.pathsep.join(
             [package_root] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        full_env.update(torchrun_env(rank, self.world_size,
-                                     master_port), PYTHONUNBUFFERED="1")
+        full_env.update(torch_env or torchrun_env(rank, self.world_size, master_port),
+                        PYTHONUNBUFFERED="1")
         if gpus is not None:
             full_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         prefix = [part.replace("{rank}", str(rank)) for part in launch_prefix]
@@ -238,10 +255,15 @@ class Ranks:
         self.procs.append(proc)
         self.watch.watch(proc)
 
+    def adopt(self, proc: Any) -> None:
+        """A rank that another process started (placement.HostedRank), in rank order."""
+        self.procs.append(proc)
+        self.watch.hosted(proc)
+
     def found_launcher(self, rank: int, pid: Any) -> None:
         """With a launch_prefix the rank's code may run in a grandchild: watch it too."""
         proc = self.procs[rank]
-        if isinstance(pid, int) and pid != proc.pid:
+        if isinstance(pid, int) and pid != proc.pid and not proc.hosted:
             proc.launcher_pid = pid
             self.watch.watch(proc, pid)
 
@@ -254,7 +276,10 @@ class Ranks:
     def stacks(self, silent: list[int]) -> str:
         """Every thread's stack of each silent rank (faulthandler, on SIGUSR1), shown in
         the caller's error alone (not also forwarded), without the rank's own threads."""
-        procs = [self.procs[r] for r in silent]
+        # ``silent`` indexes self.procs (a RankHost's one process is its index 0).
+        hosted = {i: self.procs[i].stacks_later() for i in silent
+                  if self.procs[i].hosted}  # their hosts dump them meanwhile
+        procs = [self.procs[i] for i in silent if i not in hosted]
         seen = {p.rank: p.output.lines_seen for p in procs}
         for p in procs:
             p.output.muted = True
@@ -269,17 +294,20 @@ class Ranks:
                 break
         for p in procs:
             p.output.muted = False
-        return "\n".join(
-            f"rank {p.rank} (pid {p.pid}), last output:\n" +
-            "\n".join(f"    {line}" for line in without_own_threads(p.output.last_lines(30)))
-            for p in procs)
+        shown = {id(p): f"rank {p.rank} (pid {p.pid}), last output:\n" + "\n".join(
+            f"    {line}" for line in without_own_threads(p.output.last_lines(30)))
+            for p in procs}
+        shown.update({id(self.procs[i]): self.procs[i].stacks_now(later)
+                      for i, later in hosted.items()})
+        return "\n".join(shown[id(self.procs[i])] for i in silent)
 
     def end(self, grace: float) -> None:
         """Wait up to ``grace`` for a graceful exit, then end every rank for sure."""
         self.watch.close()
+        procs = [p for p in self.procs if not p.hosted]  # hosted: placement.RayGroup.close
         if grace > 0:
-            wait_all_exit(self.procs, grace)
-        end_ranks(self.procs)
+            wait_all_exit(procs, grace)
+        end_ranks(procs)
         self.procs = []
 
 # The first frame of a rank's own runner-watch thread (rank.watch_runner) in a dump.

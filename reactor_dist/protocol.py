@@ -50,6 +50,7 @@ which later runners parse to reclaim what a killed runner left.
 
 from __future__ import annotations
 
+import io
 import pickle
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, NamedTuple
@@ -190,10 +191,21 @@ class Bootstrap:
     start_timeout: float
     keep_free: int
     sys_path: list[str] = field(default_factory=list)
+    # Placed by Ray (reactor_dist.placement): a rank on another node than the runner has
+    # no shared memory with it (payloads in-band), meets the group in rank 0's TCPStore
+    # at ``master_addr``, and speaks CurveZMQ (server public, client public, client secret).
+    shared_memory: bool = True
+    master_addr: str = ""
+    curve: tuple[bytes, bytes, bytes] | None = None
+    device_index: int | None = None  # its GPU among the visible ones (Ray's: 0)
 
     def to_bytes(self) -> bytes:
         data = pickle.dumps(self, protocol=5)
         return len(data).to_bytes(8, "little") + data
+
+    @classmethod
+    def read_bytes(cls, data: bytes) -> Bootstrap:
+        return cls.read(io.BytesIO(data))
 
     @classmethod
     def read(cls, stream: BinaryIO) -> Bootstrap:
@@ -209,10 +221,14 @@ class Bootstrap:
         return boot
 
 
-def torchrun_env(rank: int, world_size: int, master_port: int) -> dict[str, str]:
-    """The environment a ``torchrun`` launch gives a rank (set in the child only)."""
-    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+def torchrun_env(rank: int, world_size: int, master_port: int,
+                 master_addr: str = "127.0.0.1",
+                 local: tuple[int, int] | None = None) -> dict[str, str]:
+    """The environment a ``torchrun`` launch gives a rank (set in the child only);
+    ``local`` is (local rank, ranks on this node) where the group spans nodes."""
+    local_rank, local_size = local or (rank, world_size)
+    return {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(local_size), "MASTER_ADDR": master_addr,
             "MASTER_PORT": str(master_port)}
 
 

@@ -29,7 +29,6 @@ import sys
 import threading
 import time
 import weakref
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -37,7 +36,9 @@ import psutil
 import zmq
 
 from . import shm, transfer, wire
+from .device import choose_device
 from .errors import SharedSlotAllocationFailed, describe, pickle_exception
+from .group import Rendezvous
 from .ledger import Ledger, Mapped
 from .progress import FORMING, IMPORTING, LOADING, Reporter
 from .protocol import Bootstrap, Field, Kind, Method, Status
@@ -62,31 +63,6 @@ def watch_runner(pid: int, on_death) -> None:
     threading.Thread(target=wait, name="reactor-dist-runner-watch", daemon=True).start()
 
 
-def _maybe_cuda() -> bool:
-    return os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia")
-
-
-def choose_device(requested: str, rank: int) -> str:
-    if requested == "cpu" or (requested == "auto" and not _maybe_cuda()):
-        return "cpu"
-    import torch
-
-    if not torch.cuda.is_available():
-        if requested == "cuda":
-            raise RuntimeError("device='cuda' was asked for, but torch sees no CUDA device")
-        return "cpu"
-    count = torch.cuda.device_count()
-    if rank >= count:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<all>")
-        raise RuntimeError(
-            f"rank {rank} needs a GPU of its own, but only {count} are visible "
-            f"(CUDA_VISIBLE_DEVICES={visible}): lower world_size to {count} or pass "
-            f"gpus=[...] with one GPU per rank"
-        )
-    torch.cuda.set_device(rank)
-    return f"cuda:{rank}"
-
-
 class RankServer:
     """Serves one rank: handshake, init, then one call at a time until shutdown."""
 
@@ -107,6 +83,8 @@ class RankServer:
         self.unchecked: set[str] = set()  # released input views not yet checked for writes
         self.inside = 0.0  # seconds inside the running generator step (run_steps)
         self.progress = Reporter(self.send)  # Kind.PROGRESS during start-up
+        # Payloads from this size on go through shared memory, where the runner has it.
+        self.inline_limit = transfer.INLINE_LIMIT if boot.shared_memory else transfer.IN_BAND
 
     # -- plumbing ------------------------------------------------------------------
     def connect(self) -> None:
@@ -114,9 +92,14 @@ class RankServer:
         self.sub = wire.bounded(self.ctx.socket(zmq.SUB))
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.setsockopt(zmq.RCVHWM, 0)
-        self.sub.connect(self.boot.cmd_addr)
         self.push = wire.bounded(self.ctx.socket(zmq.PUSH))
         self.push.setsockopt(zmq.LINGER, 2000)
+        if self.boot.curve is not None:  # over TCP from another node: CurveZMQ
+            server, public, secret = self.boot.curve
+            for sock in (self.sub, self.push):
+                sock.curve_serverkey, sock.curve_publickey = server, public
+                sock.curve_secretkey = secret
+        self.sub.connect(self.boot.cmd_addr)
         self.push.connect(self.boot.reply_addr)
         self.push_send = wire.direct_send(self.push)
 
@@ -132,6 +115,8 @@ class RankServer:
                     child.kill()
                 except psutil.Error:
                     pass
+            if not self.boot.shared_memory:
+                return  # another node's runner: nothing of it lives here (finally: exit)
             shm.remove_prefix(self.boot.shm_dir, self.boot.shm_prefix)
             # The runner's private ipc directory too: nobody else will ever remove it.
             shutil.rmtree(self.private_dir(), ignore_errors=True)
@@ -143,6 +128,7 @@ class RankServer:
     def run(self) -> int:
         watch_runner(self.boot.runner_pid, self.on_runner_death)
         self.connect()
+        self.rendezvous = Rendezvous(self.boot, self.private_dir())
         port = self.open_rendezvous()
         while True:
             try:
@@ -167,18 +153,21 @@ class RankServer:
         return 0
 
     def private_dir(self) -> str:
-        """The runner's private 0700 directory (it holds the sockets and the store)."""
+        """The runner's private 0700 directory (it holds the sockets and the store);
+        "" for a rank on another node than the runner."""
+        if not self.boot.cmd_addr.startswith("ipc://"):
+            return ""
         return os.path.dirname(self.boot.cmd_addr.removeprefix("ipc://"))
 
     def open_rendezvous(self) -> int:
-        """The group's store is a file in the runner's private 0700 directory (see
-        form_group): no port to report, none that another local user could reach.
+        """The port of rank 0's store where the group spans nodes, else 0 (see group.py).
 
         Every rank imports torch here, before the handshake, so that the ranks pay
         for the import side by side rather than one after the other."""
         if self.boot.init_process_group and self.world_size > 1:
             self.progress.phase(IMPORTING)
             import torch.distributed  # noqa: F401
+            return self.rendezvous.open()
         return 0
 
     def init(self, header: dict[str, Any]) -> None:
@@ -189,11 +178,12 @@ class RankServer:
             port = header.get(Field.PORT) or 0
             if port:
                 os.environ["MASTER_PORT"] = str(port)
-            device = reply[Field.DEVICE] = choose_device(self.boot.device, self.rank)
+            device = reply[Field.DEVICE] = choose_device(self.boot.device, self.rank,
+                                                         self.boot.device_index)
             began = time.perf_counter()
             if self.boot.init_process_group and self.world_size > 1:
                 self.progress.phase(FORMING)
-                self.form_group(device, port)
+                self.rendezvous.form_group(device, port)
                 reply[Field.GROUP_SECONDS] = time.perf_counter() - began
             self.progress.phase(LOADING)
             began = time.perf_counter()
@@ -203,18 +193,6 @@ class RankServer:
             reply[Field.STATUS], reply[Field.ERROR] = Status.RAISED, describe(exc)
             body = [pickle_exception(exc) or b""]
         self.send(reply, body)
-
-    def form_group(self, device: str, port: int) -> None:
-        """Form the torch.distributed group (nccl on CUDA, gloo on CPU) on a FileStore in
-        the runner's private directory: only the runner's user can reach it."""
-        import torch.distributed as dist
-
-        timeout = timedelta(seconds=self.boot.start_timeout)
-        store = dist.FileStore(os.path.join(self.private_dir(), "store"), self.world_size)
-        store.set_timeout(timeout)
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, store=store, rank=self.rank,
-                                world_size=self.world_size, timeout=timeout)
 
     def boot_worker(self, device: str) -> Any:
         cls = import_worker_class(self.boot.worker)
@@ -276,7 +254,7 @@ class RankServer:
             try:
                 descriptors, payload, _ = transfer.encode(
                     result, self.results, "the result of generate() on rank 0",
-                    holders=(CALLER,), reuse_segments=True)
+                    holders=(CALLER,), reuse_segments=True, inline_limit=self.inline_limit)
                 if descriptors:
                     reply[Field.DESCRIPTORS] = descriptors
             except BaseException as exc:
@@ -322,7 +300,8 @@ class RankServer:
         what = f"item {index} of generate() on rank 0"
         try:
             descriptors, payload, _ = transfer.encode(
-                item, self.results, what, holders=(CALLER,), reuse_segments=True)
+                item, self.results, what, holders=(CALLER,), reuse_segments=True,
+                inline_limit=self.inline_limit)
         except SharedSlotAllocationFailed as exc:
             return exc
         except Exception as exc:
@@ -356,6 +335,8 @@ class RankServer:
     def shared_empty(self, shape: Any, dtype: Any) -> np.ndarray:
         dtype = np.dtype(dtype)
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        if not self.boot.shared_memory:  # the result travels in-band anyway
+            return np.empty(shape, dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         seg = self.results.acquire(max(nbytes, 1), f"shared_empty({shape}, {dtype})",
                                    holders=[WORKER])

@@ -31,6 +31,7 @@ from .calls import PendingCall
 from .errors import WorkerCrashed, WorkerTimeout
 from .outcome import judge
 from .output import OUTPUT_MODES
+from .placement import check_ray_options
 from .protocol import Method
 from .shm import DEFAULT_DIR
 from .stream import Stream
@@ -81,6 +82,12 @@ class DistributedRunner:
     gets to exit before SIGTERM) and ``rank_output`` ("stderr": each rank's lines,
     ``[rank N]``-prefixed, on this process's stderr; "log": as INFO records of the
     ``reactor_dist.rank`` logger).
+
+    ``placement="ray"`` places the ranks on a Ray cluster (``ray.init(address="auto")``
+    unless Ray is initialised here): one placement group of ``world_size`` bundles of
+    ``ray_bundle`` (default ``{"GPU": 1}`` for CUDA, ``{"CPU": 1}`` for CPU) under
+    ``ray_strategy`` ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"); rank 0 on this
+    node where it has room.  See :mod:`reactor_dist.placement`.
     """
 
     def __init__(self, worker_cls: type, *, world_size: int = 1,
@@ -89,7 +96,9 @@ class DistributedRunner:
                  device: str = "auto", gpus: Sequence[int] | None = None,
                  env: dict[str, str] | None = None, launch_prefix: Sequence[str] = (),
                  shm_dir: str = DEFAULT_DIR, keep_free_segments: int = 2,
-                 shutdown_grace: float = 5.0, rank_output: str = "stderr") -> None:
+                 shutdown_grace: float = 5.0, rank_output: str = "stderr",
+                 placement: str = "local", ray_bundle: dict[str, float] | None = None,
+                 ray_strategy: str = "PACK") -> None:
         check_not_rerunning_main()  # a rank re-running a script without its __main__ guard
         self._world_size = check_world_size(world_size)
         check_methods(worker_cls)
@@ -106,6 +115,10 @@ class DistributedRunner:
             if len(gpus) < world_size:
                 raise ValueError(f"gpus={gpus} names {len(gpus)} GPUs for {world_size} ranks; "
                                  f"give one GPU per rank")
+        ray = check_ray_options(placement, ray_bundle, ray_strategy)
+        if ray is not None and gpus is not None:
+            raise ValueError("gpus= and placement='ray' exclude each other: Ray assigns the "
+                             "GPUs (ray_bundle); leave gpus out")
         env = {str(k): str(v) for k, v in (env or {}).items()}
         self._gpus, self._device = gpus, device
         if where.module == "__main__":
@@ -119,7 +132,7 @@ class DistributedRunner:
             launch_prefix=[str(p) for p in launch_prefix], shm_dir=shm_dir,
             keep_free=keep_free_segments,
             start_timeout=self.start_timeout or 365 * 24 * 3600.0,
-            shutdown_grace=shutdown_grace, rank_output=rank_output)
+            shutdown_grace=shutdown_grace, rank_output=rank_output, ray=ray)
         self._state = [NEW]  # a list, shared with the finalizer
         self._failure: BaseException | None = None
         self._lock = threading.RLock()

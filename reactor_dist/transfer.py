@@ -36,6 +36,7 @@ from .shm import align, allocation_error
 # Measured (benchmarks/inline_threshold.py): below ~64 KiB a ZeroMQ frame copy is cheaper
 # than a segment round trip; above it the segment wins. Overridable for that measurement.
 INLINE_LIMIT = int(os.environ.get("REACTOR_DIST_INLINE_LIMIT", 64 * 1024))
+IN_BAND = 1 << 62  # an inline_limit that keeps every buffer in-band (no shared memory)
 
 
 def _rebuild_tensor(raw: np.ndarray, dtype: str, shape: tuple, requires_grad: bool):

@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from . import shm
+from . import shm, transfer
 from .bus import Bus, private_dir, reclaim_dead_ipc_dirs
 from .calls import CallPath, Replies
 from .errors import (
@@ -32,6 +32,7 @@ from .errors import (
     timeout_error,
 )
 from .ledger import Ledger, Mapped
+from .placement import RayGroup, RaySpec
 from .processes import Ranks, free_port
 from .progress import Display
 from .protocol import (
@@ -56,7 +57,7 @@ class Transport(CallPath):
                  init_process_group: bool, device: str, gpus: list[int] | None,
                  env: dict[str, str], launch_prefix: list[str], shm_dir: str,
                  keep_free: int, start_timeout: float, shutdown_grace: float,
-                 rank_output: str = "stderr") -> None:
+                 rank_output: str = "stderr", ray: RaySpec | None = None) -> None:
         self.world_size = world_size
         self.rank_output = rank_output
         self.secret = os.urandom(SECRET_SIZE)
@@ -82,6 +83,8 @@ class Transport(CallPath):
         self._init_process_group, self._device = init_process_group, device
         self._start_timeout, self._keep_free = start_timeout, keep_free
         self._env, self._gpus, self._launch_prefix = env, gpus, launch_prefix
+        self._ray = ray
+        self.placement: RayGroup | None = None  # placement="ray": the group Ray placed
 
     def _ours(self, name: str) -> bool:
         return "/" not in name and name.startswith(self.shm_prefix + ".")
@@ -106,9 +109,12 @@ class Transport(CallPath):
         assert self.ranks is not None and self.bus is not None
         # For models that form their own group (init_process_group=False): one port for
         # all ranks. With our group, rank 0's store binds port 0 and Kind.INIT carries its port.
-        master_port = free_port()
-        for rank in range(self.world_size):
-            self._spawn(rank, master_port)
+        if self._ray is None:
+            master_port = free_port()
+            for rank in range(self.world_size):
+                self._spawn(rank, master_port)
+        else:
+            self._place(deadline)
         log.info("started %d rank%s (pids %s)", self.world_size, "s" if self.world_size > 1
                  else "", ", ".join(str(p.pid) for p in self.ranks.procs))
         bus = self.bus
@@ -145,9 +151,34 @@ class Transport(CallPath):
                      seconds if isinstance(seconds, float) else float("nan"),
                      header.get(Field.DEVICE), extra={"rank": rank, "load_seconds": seconds})
 
-    def _spawn(self, rank: int, master_port: int) -> None:
-        assert self.bus is not None and self.ranks is not None
-        boot = Bootstrap(
+    def _place(self, deadline: float) -> None:
+        """placement="ray": reserve, then start each rank through its host; a rank on
+        another node than this one gets the bus over TCP (CurveZMQ) and in-band payloads."""
+        assert self.bus is not None and self.ranks is not None and self._ray is not None
+        group = self.placement = RayGroup(self.world_size, self._ray, self._device,
+                                          self.rank_output)
+        group.reserve(max(deadline - time.monotonic(), 0.01), self._start_timeout)
+        remote: dict[str, Any] = {}
+        if group.spans_nodes:
+            cmd, reply, server = self.bus.open_tcp(group.address, group.remote_keys())
+            self.inline_limit = transfer.IN_BAND  # a broadcast input reaches every node
+            remote = {"cmd_addr": cmd, "reply_addr": reply, "curve": (server, b"", b""),
+                      "shared_memory": False}
+        boots = []
+        for hosted in group.ranks:
+            self.ranks.adopt(hosted)
+            boots.append(self._bootstrap(
+                hosted.rank, master_addr=group.ranks[0].address if remote else "",
+                device_index=0 if group.bundle.get("GPU") else None,  # Ray's GPUs alone
+                **({} if hosted.local else {**remote, "runner_pid": hosted.host_pid})))
+        group.watch(self.ranks.watch.notice)
+        group.launch(boots, self._env, self._launch_prefix,
+                     max(deadline - time.monotonic(), 0.01))
+
+    def _bootstrap(self, rank: int, **placed: Any) -> Bootstrap:
+        """Rank ``rank``'s bootstrap; ``placed``: a Ray-placed rank's own fields."""
+        assert self.bus is not None
+        fields: dict[str, Any] = dict(
             rank=rank, world_size=self.world_size, secret=self.secret,
             cmd_addr=self.bus.cmd_addr, reply_addr=self.bus.reply_addr,
             runner_pid=os.getpid(), shm_dir=self.shm_dir, shm_prefix=self.shm_prefix,
@@ -155,6 +186,11 @@ class Transport(CallPath):
             init_process_group=self._init_process_group, device=self._device,
             start_timeout=self._start_timeout, keep_free=self._keep_free,
             sys_path=list(sys.path))
+        return Bootstrap(**{**fields, **placed})
+
+    def _spawn(self, rank: int, master_port: int) -> None:
+        assert self.ranks is not None
+        boot = self._bootstrap(rank)
         self.ranks.spawn(rank, boot.to_bytes(), master_port=master_port, env=self._env,
                          gpus=self._gpus, launch_prefix=self._launch_prefix)
 
@@ -231,6 +267,9 @@ class Transport(CallPath):
                     self.bus.publish({Field.KIND: Kind.SHUTDOWN, Field.SEQ: self.seq + 1})
                 grace = self.shutdown_grace
             self.ranks.end(grace)
+            if self.placement is not None:
+                self.placement.close(grace)
+                self.placement = None
             log.info("shut down %d rank%s (%s)", len(procs), "s" if len(procs) != 1 else "",
                      "gracefully" if grace else "without grace")
         if self.bus is not None:

@@ -16,6 +16,9 @@ from reactor_dist import shm
 # it finds the ones that left the process tree (setsid, reparented to init).
 SESSION_ENV = "REACTOR_DIST_TEST_SESSION"
 os.environ[SESSION_ENV] = f"{os.getpid()}-{os.urandom(8).hex()}"
+# Ray (tests/test_ray.py) reads these as it is imported: every simulated node on
+# 127.0.0.1, nothing reported to an outside server.
+os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
 
 
 def session_processes() -> set[int]:

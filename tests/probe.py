@@ -69,3 +69,23 @@ class Probe:
         bus = self._transport.bus
         bus.pub.send(b"half of an interrupted command", zmq.SNDMORE)
         bus._pub_open = True
+
+    @property
+    def placed(self) -> list[dict]:
+        """placement="ray": each rank's node id, whether it shares this node, its pid
+        and its host actor's pid (on its node)."""
+        group = self._transport.placement
+        return [{"rank": h.rank, "node": h.node, "local": h.local, "pid": h.pid,
+                 "host_pid": h.host_pid} for h in (group.ranks if group else [])]
+
+    @property
+    def tcp_endpoints(self) -> list[str]:
+        """The bus's TCP endpoints (ranks on other nodes), [] when every rank is local."""
+        bus = self._transport.bus
+        return [sock.getsockopt(zmq.LAST_ENDPOINT).decode() for sock in (bus.pub, bus.pull)
+                if sock.getsockopt(zmq.LAST_ENDPOINT).startswith(b"tcp://")]
+
+    @property
+    def server_key(self) -> bytes:
+        """The CurveZMQ public key of the bus's TCP endpoints."""
+        return self._transport.bus.server_key

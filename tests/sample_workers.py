@@ -167,6 +167,25 @@ class AllGather(Step):
 
 
 @dataclasses.dataclass
+class GatherChecksums(Step):
+    """Every rank's CRC-32 of ``data``, all_gathered over the group: proves that each rank
+    received the same input (placement tests: over TCP to another node)."""
+
+    data: object
+
+    def run(self, worker: Echo):
+        import zlib
+
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.tensor([zlib.crc32(np.ascontiguousarray(self.data).data)], dtype=torch.int64)
+        parts = [torch.zeros(1, dtype=torch.int64) for _ in range(worker.world_size)]
+        dist.all_gather(parts, mine)
+        return [int(p) for p in parts]
+
+
+@dataclasses.dataclass
 class RaiseBeforeAllReduce(Step):
     """The common tensor-parallel bug: rank ``rank`` raises before an all_reduce that the
     other ranks then wait in."""
@@ -486,16 +505,16 @@ def run_launcher_with_group_fault() -> None:
     torch.distributed group (worker code has not even been imported at that point)."""
     import json
 
-    from reactor_dist import rank
+    from reactor_dist import group, rank
 
     fault = json.loads(os.environ["REACTOR_TEST_FAULT"])
-    form_group = rank.RankServer.form_group
+    form_group = group.Rendezvous.form_group
 
     def faulty_form_group(self, device, port):
         maybe_fault(fault, "group")
         return form_group(self, device, port)
 
-    rank.RankServer.form_group = faulty_form_group
+    group.Rendezvous.form_group = faulty_form_group
     sys.exit(rank.main([]))
 
 

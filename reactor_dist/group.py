@@ -1,0 +1,54 @@
+"""Where a rank meets its torch.distributed group (nccl on CUDA, gloo on CPU).
+
+On one machine the store is a file in the runner's private 0700 directory: only the
+runner's user can reach it.  Across machines (ranks placed by Ray) it is rank 0's
+TCPStore on rank 0's node address (``Bootstrap.master_addr``), listening on that
+address alone; rank 0 reports its port in its PONG and the runner passes it on in
+Kind.INIT.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+from .protocol import Bootstrap
+
+
+class Rendezvous:
+    """One rank's side of the group's store."""
+
+    def __init__(self, boot: Bootstrap, private_dir: str) -> None:
+        self.boot, self.private_dir = boot, private_dir
+        self.store: Any = None
+        self.timeout = timedelta(seconds=boot.start_timeout)
+
+    def open(self) -> int:
+        """Rank 0 of a group across nodes opens its store now: the port to report."""
+        if not self.boot.master_addr or self.boot.rank != 0:
+            return 0
+        import torch.distributed as dist
+
+        listener = socket.create_server((self.boot.master_addr, 0), backlog=128)
+        port = listener.getsockname()[1]
+        self.store = dist.TCPStore(self.boot.master_addr, port, self.boot.world_size, True,
+                                   timeout=self.timeout, wait_for_workers=False,
+                                   master_listen_fd=listener.detach())
+        return port
+
+    def form_group(self, device: str, port: int) -> None:
+        import torch.distributed as dist
+
+        boot = self.boot
+        if self.store is None and boot.master_addr:
+            self.store = dist.TCPStore(boot.master_addr, port, boot.world_size, False,
+                                       timeout=self.timeout)
+        elif self.store is None:
+            self.store = dist.FileStore(os.path.join(self.private_dir, "store"),
+                                        boot.world_size)
+            self.store.set_timeout(self.timeout)
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, store=self.store, rank=boot.rank,
+                                world_size=boot.world_size, timeout=self.timeout)

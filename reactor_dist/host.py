@@ -1,0 +1,122 @@
+"""The Ray actor that runs one rank on the node Ray placed it on.
+
+Ray places; it does not run the rank.  Each bundle of the runner's placement group
+holds one :class:`RankHost`, which starts the same ``python -P -m reactor_dist.rank``
+as a local runner does (:class:`reactor_dist.processes.Ranks`: own process group,
+bootstrap on stdin, output pump, pidfd death watch) and answers the runner::
+
+    runner                                RankHost (one per rank, on its node)
+    where()        -------------------->  node id, pid, curve public key
+    launch(boot)   -------------------->  spawn the rank; the client secret key is
+                                          added to its bootstrap here, never sent
+    exited()       ----- blocks ------->  returns the crash report when it dies
+    stacks()       -------------------->  SIGUSR1 -> faulthandler dump lines
+    stop(grace)    -------------------->  graceful wait, then kill the group
+
+Why a host process rather than the rank being the actor: the rank keeps one code
+path wherever it runs (its signals, its process group, its stdin bootstrap, its
+faulthandler), Ray's worker threads and its own signal handling stay out of the
+model's process, and killing a rank's whole group is ours to do, not Ray's.
+
+Two watches end a rank whose runner is gone: the rank watches this host's pid (as a
+local rank watches its runner), and Ray kills the host when its owner, the runner's
+process, dies; on top, the host holds a TCP *lifeline* to the runner and ends the
+rank the moment it breaks (keepalive finds a dead node within seconds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import socket
+import threading
+
+import zmq
+
+from .processes import Ranks, end_ranks
+from .protocol import Bootstrap
+
+KEEPALIVE = (1, 1, 3)  # idle s, interval s, probes: a silent dead peer found in ~4 s
+
+
+class RankHost:
+    """One rank's process on this node (used as a Ray actor, max_concurrency > 1)."""
+
+    def __init__(self, rank: int, world_size: int, output: str = "stderr") -> None:
+        self.rank, self.world_size = rank, world_size
+        self.died = threading.Event()
+        self.ranks = Ranks(world_size, lambda ranks: self.died.set(), output)
+        self._public, self._secret = zmq.curve_keypair()
+        self._lifeline: socket.socket | None = None
+
+    def where(self) -> tuple[str, int, bytes]:
+        """(Ray node id, this host's pid, the rank's CurveZMQ public key)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid(), self._public
+
+    def gpus(self) -> list[str]:
+        """The GPU ids Ray gave this rank (CUDA_VISIBLE_DEVICES of its process)."""
+        import ray
+
+        return [str(g) for g in ray.get_gpu_ids()]
+
+    def free_port(self, address: str) -> int:
+        """A free TCP port at ``address`` on this node (MASTER_PORT)."""
+        with socket.socket() as s:
+            s.bind((address, 0))
+            return s.getsockname()[1]
+
+    def launch(self, bootstrap: bytes, env: dict[str, str], launch_prefix: list[str],
+               torch_env: dict[str, str], lifeline: tuple[str, int] | None) -> int:
+        """Start the rank; its pid.  ``lifeline``: the runner's address to hold on to."""
+        boot = Bootstrap.read_bytes(bootstrap)
+        if boot.curve is not None:  # the secret key is born here and stays here
+            boot = dataclasses.replace(boot, curve=(boot.curve[0], self._public, self._secret))
+        self.ranks.spawn(self.rank, boot.to_bytes(), master_port=0, env=env, gpus=None,
+                         launch_prefix=launch_prefix, torch_env=torch_env)
+        if lifeline is not None:
+            self._hold(lifeline)
+        return self.ranks.procs[0].pid
+
+    def _hold(self, address: tuple[str, int]) -> None:
+        sock = socket.create_connection(address, timeout=10)
+        sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        idle, interval, probes = KEEPALIVE
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, probes)
+        self._lifeline = sock
+
+        def hold() -> None:
+            with contextlib.suppress(OSError):
+                while sock.recv(64):
+                    pass
+            if self._lifeline is sock:  # broken, not closed by stop(): the runner is gone
+                end_ranks(self.ranks.procs, term_grace=0.5)
+                os._exit(1)
+
+        threading.Thread(target=hold, name="reactor-dist-lifeline", daemon=True).start()
+
+    def exited(self) -> str:
+        """Blocks until the rank dies; its crash report (exit status, last lines)."""
+        self.died.wait()
+        return self.ranks.crash_report([0])
+
+    def stacks(self) -> str:
+        """Every thread's stack of the rank (faulthandler), as Ranks.stacks shows them."""
+        return self.ranks.stacks([0])
+
+    def signal(self, signum: int) -> None:
+        """Signal the rank's process group (tests: a remote rank's death)."""
+        with contextlib.suppress(IndexError):
+            self.ranks.procs[0].signal_group(signum)
+
+    def stop(self, grace: float) -> None:
+        """Give the rank ``grace`` seconds to exit, then end its group for sure."""
+        lifeline, self._lifeline = self._lifeline, None
+        self.ranks.end(grace)
+        if lifeline is not None:
+            lifeline.close()

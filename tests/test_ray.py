@@ -1,0 +1,297 @@
+"""placement="ray": ranks placed by Ray across nodes, with the same contract.
+
+Every test runs on a simulated two-node cluster (ray.cluster_utils.Cluster) on this
+machine, every node on 127.0.0.1 (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0), no dashboard,
+no usage reporting.  "Remote" below means: on the other Ray node, reached only over
+the runner's TCP bus (CurveZMQ) and never through /dev/shm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import zlib
+
+import numpy as np
+import psutil
+import pytest
+import zmq
+from conftest import wait_gone
+from probe import Probe
+from sample_workers import FAULT, Echo, FullArray, GatherChecksums, HangsOnRank, SharedArray, Sleep
+
+from reactor_dist import DistributedRunner, PlacementFailed, WorkerCrashed, WorkerTimeout, shm
+
+ray = pytest.importorskip("ray", reason="placement tests need the ray extra (make test has it)")
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+TESTS = os.path.dirname(os.path.abspath(__file__))
+MB16 = 16 << 20
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Head (2 CPUs, this process's node) + a second node (2 CPUs and 2 ``far`` slots that
+    only it has: a bundle asking for one lands there)."""
+    from ray.cluster_utils import Cluster
+
+    saved = {k: os.environ.get(k) for k in LOOPBACK_ENV}
+    os.environ.update(LOOPBACK_ENV)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    nodes = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "include_dashboard": False})
+    nodes.add_node(num_cpus=2, resources={"far": 2})
+    ray.init(address=nodes.address, include_dashboard=False, log_to_driver=False)
+    nodes.wait_for_nodes()
+    ours = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    try:
+        yield nodes
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    # No raylet, GCS, actor or rank of ours outlives the cluster.
+    assert wait_gone([p.pid for p in ours], timeout=10) == []
+
+
+def placed_runner(**kwargs) -> DistributedRunner:
+    options = {"world_size": 2, "device": "cpu", "placement": "ray",
+               "ray_strategy": "STRICT_SPREAD", "init_process_group": False}
+    return DistributedRunner(kwargs.pop("worker", Echo), **{**options, **kwargs})
+
+
+def nothing_reserved() -> bool:
+    groups = ray.util.placement_group_table().values()
+    return all(g["state"] == "REMOVED" for g in groups)
+
+
+def wait_full(timeout: float = 10.0) -> dict:
+    """The cluster's free resources once every CPU is free again."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        free = ray.available_resources()
+        if free.get("CPU") == 4.0:
+            return free
+        time.sleep(0.05)
+    return ray.available_resources()
+
+
+def test_rank_1_on_the_other_node_gets_16_mb_inputs_and_joins_the_group(cluster):
+    with placed_runner(init_process_group=True) as runner:
+        placed = Probe(runner).placed
+        assert [(p["rank"], p["local"]) for p in placed] == [(0, True), (1, False)]
+        assert placed[0]["node"] == ray.get_runtime_context().get_node_id() != placed[1]["node"]
+        data = np.random.default_rng(1).integers(0, 255, MB16, dtype=np.uint8)
+        # torch.distributed across the nodes (TCPStore on rank 0's node) and the input
+        # in-band to the remote rank: both ranks saw the same 16 MB.
+        assert runner.generate(GatherChecksums(data)) == [zlib.crc32(data.data)] * 2
+        assert np.array_equal(runner.generate(data), data)
+        out = runner.generate(FullArray([MB16], fill=7))  # rank 0 local: via /dev/shm
+        assert out.shape == (MB16,) and int(out[0]) == int(out[-1]) == 7
+        assert runner.healthy
+        # Every socket we (runner, hosts, ranks: bus, lifeline, store, gloo) listen on
+        # is on the loopback, as Ray reports the nodes' address.
+        pids = [os.getpid()] + [p[k] for p in placed for k in ("pid", "host_pid")]
+        listening = {c.laddr.ip.removeprefix("::ffff:") for pid in pids
+                     for c in psutil.Process(pid).net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN}
+        assert listening == {"127.0.0.1"}, listening
+    assert nothing_reserved()
+
+
+def test_rank_0_on_another_node_sends_its_results_over_the_bus(cluster):
+    with placed_runner(ray_bundle={"CPU": 1, "far": 1}, ray_strategy="PACK") as runner:
+        assert [p["local"] for p in Probe(runner).placed] == [False, False]
+        prefix = Probe(runner).shm_prefix
+        for step in (FullArray([MB16], fill=5), SharedArray([MB16], fill=6)):
+            out = runner.generate(step)
+            assert out.shape == (MB16,) and int(out[0]) == int(out[-1]) == step.fill
+        data = np.arange(MB16 // 8, dtype=np.int64)
+        assert np.array_equal(runner.generate(data), data)
+        # Nothing crossed /dev/shm: no segment of this runner's holds a payload.
+        assert [n for n in os.listdir(shm.DEFAULT_DIR)
+                if n.startswith(prefix + ".") and not n.endswith(".lock")] == []
+    assert nothing_reserved()
+
+
+def test_the_tcp_bus_admits_only_the_runners_ranks(cluster):
+    """The bus's TCP endpoints speak CurveZMQ: a plain peer and a CURVE peer with a key
+    of its own get nothing in and nothing out, and the runner stays healthy."""
+    with placed_runner() as runner:
+        cmd, reply = Probe(runner).tcp_endpoints
+        assert cmd.startswith("tcp://127.0.0.1:") and reply.startswith("tcp://127.0.0.1:")
+        ctx = zmq.Context()
+        try:
+            public, secret = zmq.curve_keypair()
+            server = Probe(runner).server_key
+            listeners = []
+            for curve in (False, True):
+                sub = ctx.socket(zmq.SUB)
+                sub.setsockopt(zmq.SUBSCRIBE, b"")
+                push = ctx.socket(zmq.PUSH)
+                for sock in (sub, push):
+                    sock.linger = 0
+                    if curve:
+                        sock.curve_serverkey, sock.curve_publickey = server, public
+                        sock.curve_secretkey = secret
+                sub.connect(cmd)
+                push.connect(reply)
+                push.send(b"\0" * 64)
+                listeners.append(sub)
+            for i in range(20):
+                assert runner.generate(i) == i
+            for sub in listeners:
+                assert sub.poll(200) == 0, "a stranger heard a command"
+            assert runner.healthy
+        finally:
+            ctx.destroy(linger=0)
+
+
+def test_a_remote_rank_killed_is_reported_within_2_s(cluster):
+    runner = placed_runner(call_timeout=60)
+    try:
+        runner.start()
+        remote = Probe(runner).placed[1]
+        assert not remote["local"]
+        killed = time.monotonic()
+        os.kill(remote["pid"], signal.SIGKILL)
+        with pytest.raises(WorkerCrashed, match=r"rank 1 .*SIGKILL") as info:
+            runner.generate(Sleep(30))
+        assert time.monotonic() - killed < 2.0, info.value
+        assert not runner.healthy
+        with pytest.raises(RuntimeError, match="unusable"):
+            runner.generate(1)
+    finally:
+        runner.shutdown()
+    assert wait_gone([remote["pid"], remote["host_pid"]], timeout=5) == []
+    assert nothing_reserved()
+
+
+def test_a_remote_hang_is_a_timeout_with_its_stacks(cluster):
+    runner = placed_runner(worker=HangsOnRank, load_kwargs={"rank": 1}, call_timeout=2)
+    try:
+        runner.start()
+        assert runner.generate(3) == 3
+        with pytest.raises(WorkerTimeout, match="no answer from rank 1") as info:
+            runner.generate(FAULT)
+        text = str(info.value)
+        assert "in hang" in text and "sample_workers.py" in text, text  # rank 1's stack
+        assert not runner.healthy
+    finally:
+        runner.shutdown()
+    assert nothing_reserved()
+
+
+RUNNER_APP = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    import ray
+    from probe import Probe
+    from sample_workers import Echo
+    from reactor_dist import DistributedRunner
+
+    ray.init(address=sys.argv[1], include_dashboard=False, log_to_driver=False)
+    runner = DistributedRunner(Echo, world_size=2, device="cpu", placement="ray",
+                               ray_strategy="STRICT_SPREAD", init_process_group=False)
+    runner.start()
+    assert runner.generate(1) == 1
+    print(json.dumps(Probe(runner).placed), flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_runner_death_ends_every_remote_rank_within_5_s(cluster):
+    app = subprocess.Popen([sys.executable, "-c", RUNNER_APP.format(tests=TESTS),
+                            cluster.address], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           env={**os.environ, **LOOPBACK_ENV}, text=True)
+    try:
+        line = app.stdout.readline()
+        assert line, f"the app printed nothing (exit {app.poll()})"
+        placed = json.loads(line)
+        assert [p["local"] for p in placed] == [True, False]  # rank 1 on the other node
+        pids = [p[k] for p in placed for k in ("pid", "host_pid")]
+        assert all(psutil.pid_exists(pid) for pid in pids)
+        app.kill()
+        killed = time.monotonic()
+        assert wait_gone(pids, timeout=5.0) == []
+        assert time.monotonic() - killed < 5.0
+    finally:
+        app.kill()
+        app.wait()
+    # Ray frees the dead driver's placement group as well.
+    assert wait_full(timeout=15).get("CPU") == 4.0
+
+
+def test_no_room_is_a_clear_error_at_once_and_nothing_stays_reserved(cluster):
+    runner = placed_runner(ray_bundle={"GPU": 1})
+    began = time.monotonic()
+    with pytest.raises(PlacementFailed, match=r"missing \{GPU: 2\}"):
+        runner.start()
+    assert time.monotonic() - began < 5
+    with pytest.raises(PlacementFailed, match="a node each"):
+        placed_runner(world_size=3).start()
+    assert nothing_reserved() and wait_full().get("CPU") == 4.0
+
+
+def test_a_busy_cluster_fails_within_start_timeout_and_releases_what_it_held(cluster):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    hog = placement_group([{"CPU": 2}, {"CPU": 1}], strategy="STRICT_SPREAD")
+    assert hog.wait(10)
+    try:
+        runner = placed_runner(start_timeout=3)
+        began = time.monotonic()
+        with pytest.raises(PlacementFailed,
+                           match=r"within start_timeout=3 s.*\{CPU: 1, far: 2\} free"):
+            runner.start()
+        assert 3 <= time.monotonic() - began < 8
+    finally:
+        remove_placement_group(hog)
+    assert nothing_reserved() and wait_full().get("CPU") == 4.0
+
+
+def test_shutdown_leaves_no_actor_process_or_placement_group(cluster):
+    runner = placed_runner(init_process_group=True)
+    runner.start()
+    placed = Probe(runner).placed
+    assert runner.generate(FullArray([1 << 20], fill=1)).sum() == 1 << 20
+    runner.shutdown()
+    assert wait_gone([p[k] for p in placed for k in ("pid", "host_pid")], timeout=5) == []
+    assert nothing_reserved() and wait_full().get("CPU") == 4.0
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"ray_strategy": "TIGHT"}, "ray_strategy must be one of PACK, SPREAD"),
+    ({"ray_bundle": {"GPU": -1}}, "ray_bundle must be a dict"),
+    ({"placement": "slurm"}, "placement must be 'local' or 'ray'"),
+    ({"gpus": [0, 1]}, "gpus= and placement='ray' exclude each other"),
+])
+def test_bad_placement_options_are_refused_at_construction(options, message):
+    with pytest.raises(ValueError, match=message):
+        placed_runner(**options)
+
+
+def test_without_ray_installed_the_error_says_how_to_get_it():
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {TESTS!r})
+        sys.modules["ray"] = None  # as if not installed
+        from sample_workers import Echo
+        from reactor_dist import DistributedRunner
+        try:
+            DistributedRunner(Echo, world_size=2, placement="ray")
+        except ImportError as exc:
+            print(exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == ("placement='ray' needs Ray, which is not installed: "
+                                  "pip install 'reactor-dist[ray]'"), out.stderr
