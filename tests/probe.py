@@ -89,3 +89,9 @@ class Probe:
     def server_key(self) -> bytes:
         """The CurveZMQ public key of the bus's TCP endpoints."""
         return self._transport.bus.server_key
+
+    def cut_lifelines(self) -> None:
+        """Close the runner's end of every remote host's lifeline (as its death would)."""
+        group = self._transport.placement
+        for sock in group._held:
+            sock.close()

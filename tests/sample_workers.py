@@ -153,6 +153,19 @@ class ReportEnvironment(Step):
 
 
 @dataclasses.dataclass
+class GatherEnvironment(Step):
+    """ReportEnvironment of every rank, all_gathered over the group (rank order)."""
+
+    def run(self, worker: Echo):
+        import torch.distributed as dist
+
+        mine = ReportEnvironment().run(worker)
+        every: list = [None] * worker.world_size
+        dist.all_gather_object(every, mine)
+        return every
+
+
+@dataclasses.dataclass
 class AllGather(Step):
     """A real collective: all_gather of each rank's ``[rank + 1] * 2`` over the group."""
 

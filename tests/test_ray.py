@@ -23,9 +23,31 @@ import pytest
 import zmq
 from conftest import wait_gone
 from probe import Probe
-from sample_workers import FAULT, Echo, FullArray, GatherChecksums, HangsOnRank, SharedArray, Sleep
+from sample_workers import (
+    FAULT,
+    Echo,
+    FailsToLoadOnRank,
+    FullArray,
+    GatherChecksums,
+    GatherEnvironment,
+    HangsOnRank,
+    Raises,
+    ReturnsUnpicklableResult,
+    SharedArray,
+    Sleep,
+)
+from stream_workers import Frames
+from test_readme import readme_blocks, run_block
 
-from reactor_dist import DistributedRunner, PlacementFailed, WorkerCrashed, WorkerTimeout, shm
+from reactor_dist import (
+    DistributedRunner,
+    PlacementFailed,
+    RankDesync,
+    RemoteTraceback,
+    WorkerCrashed,
+    WorkerTimeout,
+    shm,
+)
 
 ray = pytest.importorskip("ray", reason="placement tests need the ray extra (make test has it)")
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -35,8 +57,8 @@ MB16 = 16 << 20
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Head (2 CPUs, this process's node) + a second node (2 CPUs and 2 ``far`` slots that
-    only it has: a bundle asking for one lands there)."""
+    """Head (2 CPUs, this process's node) + a second node (2 CPUs, 2 GPUs as far as Ray
+    knows, and 2 ``far`` slots that only it has: a bundle asking for one lands there)."""
     from ray.cluster_utils import Cluster
 
     saved = {k: os.environ.get(k) for k in LOOPBACK_ENV}
@@ -44,7 +66,7 @@ def cluster():
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     nodes = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "include_dashboard": False})
-    nodes.add_node(num_cpus=2, resources={"far": 2})
+    nodes.add_node(num_cpus=2, num_gpus=2, resources={"far": 2})
     ray.init(address=nodes.address, include_dashboard=False, log_to_driver=False)
     nodes.wait_for_nodes()
     ours = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
@@ -107,6 +129,23 @@ def test_rank_1_on_the_other_node_gets_16_mb_inputs_and_joins_the_group(cluster)
     assert nothing_reserved()
 
 
+def test_each_rank_sees_the_gpu_ray_gave_it_and_its_place_on_its_node(cluster):
+    """Ray's GPU assignment is the rank's CUDA_VISIBLE_DEVICES (Ray only counts these
+    GPUs: the ranks compute on CPU); LOCAL_RANK counts the ranks on each node."""
+    with placed_runner(ray_bundle={"CPU": 1, "GPU": 1}, ray_strategy="PACK",
+                       init_process_group=True) as runner:
+        every = runner.generate(GatherEnvironment())
+    env = [e["env"] for e in every]
+    assert sorted(e["CUDA_VISIBLE_DEVICES"] for e in env) == ["0", "1"]
+    assert [(e["RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in env] == [
+        ("0", "0", "2"), ("1", "1", "2")]
+    assert {e["MASTER_ADDR"] for e in env} == {"127.0.0.1"}
+    assert [e["device"] for e in every] == ["cpu", "cpu"]
+    with placed_runner(ray_strategy="STRICT_SPREAD", init_process_group=True) as runner:
+        env = [e["env"] for e in runner.generate(GatherEnvironment())]
+    assert [(e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in env] == [("0", "1"), ("0", "1")]
+
+
 def test_rank_0_on_another_node_sends_its_results_over_the_bus(cluster):
     with placed_runner(ray_bundle={"CPU": 1, "far": 1}, ray_strategy="PACK") as runner:
         assert [p["local"] for p in Probe(runner).placed] == [False, False]
@@ -120,6 +159,52 @@ def test_rank_0_on_another_node_sends_its_results_over_the_bus(cluster):
         assert [n for n in os.listdir(shm.DEFAULT_DIR)
                 if n.startswith(prefix + ".") and not n.endswith(".lock")] == []
     assert nothing_reserved()
+
+
+FAR = {"ray_bundle": {"CPU": 1, "far": 1}, "ray_strategy": "PACK"}  # both ranks remote
+
+
+def test_error_contract_rows_with_remote_ranks(cluster):
+    with placed_runner(worker=Raises, load_kwargs={"error": ZeroDivisionError}) as runner:
+        with pytest.raises(ZeroDivisionError) as info:  # every rank raised: rank 0's
+            runner.generate(FAULT)
+        assert info.value.args == ("boom on rank 0",)
+        assert isinstance(info.value.__cause__, RemoteTraceback)
+        assert runner.healthy and runner.generate("still") == "still"
+        with pytest.raises(TypeError, match=r"input of generate\(\) cannot be pickled"):
+            runner.generate(lambda: 1)
+        assert runner.healthy and runner.generate(2) == 2
+    with placed_runner(worker=Raises, load_kwargs={"error": KeyError, "rank": 1}) as runner:
+        with pytest.raises(RankDesync, match="rank 1 raised KeyError"):  # the remote one
+            runner.generate(FAULT)
+        assert not runner.healthy
+    with placed_runner(worker=ReturnsUnpicklableResult, **FAR) as runner:
+        with pytest.raises(Exception, match="pickle"):  # rank 0 remote: in-band result
+            runner.generate(FAULT)
+        assert runner.healthy and runner.generate(3) == 3
+    runner = placed_runner(worker=FailsToLoadOnRank, load_kwargs={"rank": 1})
+    with pytest.raises(FileNotFoundError, match="weights missing on rank 1"):
+        runner.start()
+    assert nothing_reserved()
+
+
+def test_a_stream_from_rank_0_on_another_node(cluster):
+    with placed_runner(worker=Frames, **FAR) as runner:
+        for shared in (False, True):
+            frames = [int(f[0]) for f in runner.stream({"n": 4, "shared": shared})]
+            assert frames == [0, 1, 2, 3]
+        assert runner.healthy
+
+
+def test_a_broken_lifeline_ends_the_remote_rank_and_is_a_crash(cluster):
+    """Our own watch, apart from Ray's: the remote host kills its rank the moment its
+    TCP lifeline to the runner breaks."""
+    with placed_runner(call_timeout=30) as runner:
+        remote = Probe(runner).placed[1]
+        Probe(runner).cut_lifelines()
+        with pytest.raises(WorkerCrashed, match="rank 1"):
+            runner.generate(Sleep(20))
+        assert wait_gone([remote["pid"], remote["host_pid"]], timeout=5) == []
 
 
 def test_the_tcp_bus_admits_only_the_runners_ranks(cluster):
@@ -231,7 +316,7 @@ def test_runner_death_ends_every_remote_rank_within_5_s(cluster):
 
 
 def test_no_room_is_a_clear_error_at_once_and_nothing_stays_reserved(cluster):
-    runner = placed_runner(ray_bundle={"GPU": 1})
+    runner = placed_runner(ray_bundle={"GPU": 2})
     began = time.monotonic()
     with pytest.raises(PlacementFailed, match=r"missing \{GPU: 2\}"):
         runner.start()
@@ -250,7 +335,7 @@ def test_a_busy_cluster_fails_within_start_timeout_and_releases_what_it_held(clu
         runner = placed_runner(start_timeout=3)
         began = time.monotonic()
         with pytest.raises(PlacementFailed,
-                           match=r"within start_timeout=3 s.*\{CPU: 1, far: 2\} free"):
+                           match=r"within start_timeout=3 s.*\{CPU: 1, GPU: 2, far: 2\} free"):
             runner.start()
         assert 3 <= time.monotonic() - began < 8
     finally:
@@ -295,3 +380,9 @@ def test_without_ray_installed_the_error_says_how_to_get_it():
                          timeout=60)
     assert out.stdout.strip() == ("placement='ray' needs Ray, which is not installed: "
                                   "pip install 'reactor-dist[ray]'"), out.stderr
+
+
+def test_more_than_one_machine_example_runs_as_printed(cluster, tmp_path, monkeypatch):
+    (block,) = readme_blocks("More than one machine")
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)  # what ray.init(address="auto") finds
+    assert run_block(tmp_path, block) == "24.0"

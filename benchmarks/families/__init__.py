@@ -17,6 +17,7 @@ from benchmarks.families import (
     failure,
     frames,
     overhead,
+    placement,
     startup,
     streaming,
     timings,
@@ -31,4 +32,5 @@ FAMILIES: tuple[tuple[str, ModuleType], ...] = (
     ("input broadcast", broadcast),
     ("failure notice", failure),
     ("start-up", startup),
+    ("Ray placement", placement),
 )
