@@ -285,8 +285,22 @@ class RayGroup:
     # -- end ------------------------------------------------------------------------
     def close(self, grace: float) -> None:
         """Every rank ended (``grace`` seconds to exit first), every host killed, the
-        placement group removed; safe in any state."""
+        placement group removed; safe in any state.  Where Ray has already shut down
+        (its atexit hook ran first), Ray has ended the hosts as their owner left, and
+        each rank ends with its host."""
         self._closing.set()
+        try:
+            if self.ray.is_initialized():
+                self._end_hosts(grace)
+        except Exception as exc:  # never let cleanup stop the rest of the cleanup
+            log.warning("ending the Ray-placed ranks: %s: %s", type(exc).__name__, exc)
+        self.ranks, self.group = [], None
+        for sock in [*self._held, *([self.lifeline] if self.lifeline else [])]:
+            with contextlib.suppress(OSError):
+                sock.close()
+        self._held, self.lifeline = [], None
+
+    def _end_hosts(self, grace: float) -> None:
         ray = self.ray
         if self.ranks:
             stops = [r.host.stop.remote(grace) for r in self.ranks]
@@ -298,13 +312,7 @@ class RayGroup:
         if self.group is not None:
             from ray.util.placement_group import remove_placement_group
 
-            with contextlib.suppress(Exception):
-                remove_placement_group(self.group)
-            self.group = None
-        for sock in [*self._held, *([self.lifeline] if self.lifeline else [])]:
-            with contextlib.suppress(OSError):
-                sock.close()
-        self._held, self.lifeline = [], None
+            remove_placement_group(self.group)
 
 
 def _fits(resources: dict[str, float], bundle: dict[str, float]) -> int:

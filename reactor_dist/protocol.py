@@ -62,9 +62,14 @@ EMBED_LIMIT = 4096  # a first body frame up to this size travels inside the head
 # The largest frame any bus socket accepts (ZMQ_MAXMSGSIZE; a bigger one drops its
 # sender's connection before it is read).  Headers and inline buffers are under 64 KiB;
 # what can be large is a payload's pickle stream, which carries in-band data (bytes,
-# str, lists: arrays and tensors go out of band).  Senders refuse a bigger stream.
+# str, lists: arrays and tensors go out of band), and, for a rank on another node, each
+# array's own frame.  Senders refuse a bigger frame.
 MAX_FRAME_ENV = "REACTOR_DIST_MAX_FRAME"
 MAX_FRAME_DEFAULT = 256 << 20
+# The most one message may carry in all: a receiver drops the frames of a bigger one
+# as they come (never holding more), and senders refuse to send one.
+MAX_MESSAGE_ENV = "REACTOR_DIST_MAX_MESSAGE"
+MAX_MESSAGE_DEFAULT = 1 << 30
 MAC_ONE_FRAME, MAC_FRAMES = b"reactor-dist/1", b"reactor-dist/n"  # MAC personalizations
 
 # -- header fields ------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import numpy as np
 
 from . import wire
 from .ledger import Ledger
-from .protocol import MAX_FRAME_ENV, Descriptor, Place
+from .protocol import MAX_FRAME_ENV, MAX_MESSAGE_ENV, Descriptor, Place
 from .shm import align, allocation_error
 
 # Measured (benchmarks/inline_threshold.py): below ~64 KiB a ZeroMQ frame copy is cheaper
@@ -107,6 +107,20 @@ def _room_check(ledger: Ledger, what: str, inline_limit: int) -> Callable[[int],
     return admit
 
 
+def _check_in_band(sizes: list[int], stream: int, inline_limit: int, what: str) -> None:
+    """Refuse, before anything is sent, a payload the receiver would drop unread."""
+    in_band = [n for n in sizes if n < inline_limit]
+    if max(in_band, default=0) > wire.MAX_FRAME:
+        raise ValueError(
+            f"{what} holds an array of {max(in_band) >> 20} MiB that travels in-band (to a "
+            f"rank on another node), above the bus's bound of {wire.MAX_FRAME >> 20} MiB a "
+            f"frame ({MAX_FRAME_ENV}); split it or raise the bound")
+    if stream + sum(in_band) > wire.MAX_MESSAGE:
+        raise ValueError(
+            f"{what} sends {(stream + sum(in_band)) >> 20} MiB in-band, above the bus's bound "
+            f"of {wire.MAX_MESSAGE >> 20} MiB a message ({MAX_MESSAGE_ENV})")
+
+
 def _address(view: memoryview) -> int:
     return np.frombuffer(view, np.uint8).ctypes.data
 
@@ -127,6 +141,7 @@ def encode(obj: Any, ledger: Ledger, what: str, holders: Iterable[Hashable],
             f"in shared memory instead, bytes and str do not")
     if not buffers:
         return [], [stream], []
+    _check_in_band([pb.raw().nbytes for pb in buffers], len(stream), inline_limit, what)
     holders = list(holders)
     frames: list[Any] = [stream]
     descriptors: list[Any] = []

@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from . import shm, transfer
+from . import shm, transfer, wire
 from .bus import Bus, private_dir, reclaim_dead_ipc_dirs
 from .calls import CallPath, Replies
 from .errors import (
@@ -36,6 +36,8 @@ from .placement import RayGroup, RaySpec
 from .processes import Ranks, free_port
 from .progress import Display
 from .protocol import (
+    MAX_FRAME_ENV,
+    MAX_MESSAGE_ENV,
     SECRET_SIZE,
     Bootstrap,
     ErrorRecord,
@@ -172,7 +174,8 @@ class Transport(CallPath):
                 device_index=0 if group.bundle.get("GPU") else None,  # Ray's GPUs alone
                 **({} if hosted.local else {**remote, "runner_pid": hosted.host_pid})))
         group.watch(self.ranks.watch.notice)
-        group.launch(boots, self._env, self._launch_prefix,
+        bounds = {MAX_FRAME_ENV: str(wire.MAX_FRAME), MAX_MESSAGE_ENV: str(wire.MAX_MESSAGE)}
+        group.launch(boots, {**bounds, **self._env}, self._launch_prefix,
                      max(deadline - time.monotonic(), 0.01))
 
     def _bootstrap(self, rank: int, **placed: Any) -> Bootstrap:

@@ -41,16 +41,19 @@ from .protocol import (
     MAC_SIZE,
     MAX_FRAME_DEFAULT,
     MAX_FRAME_ENV,
+    MAX_MESSAGE_DEFAULT,
+    MAX_MESSAGE_ENV,
     SECRET_SIZE,
     Field,
     Kind,
 )
 
 __all__ = ["MAC_SIZE", "SECRET_SIZE", "EMBED_LIMIT", "Channel", "ProtocolError", "pack",
-           "unpack", "send", "direct_send", "MAX_FRAME", "bounded"]
+           "unpack", "send", "direct_send", "MAX_FRAME", "MAX_MESSAGE", "bounded"]
 
 _SNDMORE = int(zmq.SNDMORE)
 MAX_FRAME = int(os.environ.get(MAX_FRAME_ENV) or MAX_FRAME_DEFAULT)
+MAX_MESSAGE = int(os.environ.get(MAX_MESSAGE_ENV) or MAX_MESSAGE_DEFAULT)
 COPY_LIMIT = 64 << 10  # received frames up to this size are copied into bytes (cheaper)
 
 
@@ -151,12 +154,21 @@ class Channel:
         Frames are taken as zmq.Frame, whose ``more`` flag is a plain attribute: asking
         the socket for RCVMORE goes through pyzmq's option enum, about 1 us a message.
         A frame over COPY_LIMIT stays a view of ZeroMQ's buffer: a stranger's big
-        forged frame is never copied, and an authentic big body is copied no more."""
+        forged frame is never copied, and an authentic big body is copied no more.
+        A message over MAX_MESSAGE in all is let go frame by frame as it comes."""
         frame = sock.recv(copy=False)
-        parts = [frame.bytes if len(frame) <= COPY_LIMIT else frame.buffer]
+        size = len(frame)
+        parts: list[Any] | None = [frame.bytes if size <= COPY_LIMIT else frame.buffer]
         while frame.more:
             frame = sock.recv(copy=False)
-            parts.append(frame.bytes if len(frame) <= COPY_LIMIT else frame.buffer)
+            size += len(frame)
+            if size > MAX_MESSAGE:
+                parts = None  # keep reading to its end, holding nothing
+            elif parts is not None:
+                parts.append(frame.bytes if len(frame) <= COPY_LIMIT else frame.buffer)
+        if parts is None:
+            raise ProtocolError(f"a message of {size >> 20} MiB, over the bound of "
+                                f"{MAX_MESSAGE >> 20} MiB ({MAX_MESSAGE_ENV})")
         return self.unpack(parts)
 
 

@@ -22,10 +22,12 @@ import numpy as np
 import psutil
 import pytest
 import test_runner_death
+import zmq
 from sample_workers import Echo, FullArray, Step
 
 from reactor_dist import DistributedRunner, SharedSlotAllocationFailed, WorkerCrashed, shm, wire
 from reactor_dist.ledger import NAME_TRIES, Ledger
+from reactor_dist.protocol import Field, Kind
 
 apps = test_runner_death.apps  # runners in a subprocess, to be killed
 
@@ -322,6 +324,29 @@ def test_forged_frames_under_the_bound_are_never_copied_before_their_mac_fails()
             tracemalloc.stop()
         assert runner.healthy
     assert peak < 32 << 20, f"Python allocated up to {peak >> 20} MiB for forged frames"
+
+
+def test_a_message_over_the_bound_in_all_is_dropped_frame_by_frame(tmp_path, monkeypatch):
+    """Frames each under the frame bound, together over the message bound: rejected
+    without being held, and the socket reads the next message cleanly."""
+    monkeypatch.setattr(wire, "MAX_MESSAGE", 10 << 20)
+    secret = os.urandom(32)
+    channel = wire.Channel(secret)
+    ctx = zmq.Context()
+    try:
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        pull.bind(f"ipc://{tmp_path}/s")
+        push.connect(f"ipc://{tmp_path}/s")
+        pull.rcvtimeo = 5000
+        push.send_multipart([b"\0" * 64] + [bytes(4 << 20)] * 4)
+        header = {Field.KIND: Kind.REPLY, Field.SEQ: 1, Field.RANK: 0}
+        channel.send(push.send, header, [b"ok", bytes(4 << 20)])
+        with pytest.raises(wire.ProtocolError, match="a message of 16 MiB, over the bound"):
+            channel.recv(pull)
+        got, body = channel.recv(pull)
+        assert got[Field.SEQ] == 1 and bytes(body[0]) == b"ok" and len(body[1]) == 4 << 20
+    finally:
+        ctx.destroy(linger=0)
 
 
 class Blob(Step):

@@ -47,6 +47,7 @@ from reactor_dist import (
     WorkerCrashed,
     WorkerTimeout,
     shm,
+    wire,
 )
 
 ray = pytest.importorskip("ray", reason="placement tests need the ray extra (make test has it)")
@@ -207,6 +208,18 @@ def test_a_broken_lifeline_ends_the_remote_rank_and_is_a_crash(cluster):
         assert wait_gone([remote["pid"], remote["host_pid"]], timeout=5) == []
 
 
+def test_an_in_band_array_over_the_frame_bound_is_refused_before_sending(cluster, monkeypatch):
+    """To a rank on another node an array travels as its own frame: one over the bound
+    would be dropped unread (a timeout), so the sender refuses it; nothing is lost."""
+    monkeypatch.setattr(wire, "MAX_FRAME", 8 << 20)  # the runner's; its ranks get it too
+    with placed_runner() as runner:
+        with pytest.raises(TypeError, match="travels in-band .* above the bus's bound"):
+            runner.generate(np.zeros(16 << 20, np.uint8))
+        assert runner.healthy
+        small = np.ones(4 << 20, np.uint8)
+        assert np.array_equal(runner.generate(small), small)
+
+
 def test_the_tcp_bus_admits_only_the_runners_ranks(cluster):
     """The bus's TCP endpoints speak CurveZMQ: a plain peer and a CURVE peer with a key
     of its own get nothing in and nothing out, and the runner stays healthy."""
@@ -312,6 +325,20 @@ def test_runner_death_ends_every_remote_rank_within_5_s(cluster):
         app.kill()
         app.wait()
     # Ray frees the dead driver's placement group as well.
+    assert wait_full(timeout=15).get("CPU") == 4.0
+
+
+def test_a_script_that_never_calls_shutdown_leaves_nothing(cluster):
+    """Ray's own exit hook runs before the runner's finalizer: the runner's ranks end all
+    the same, and the script exits cleanly."""
+    script = RUNNER_APP.replace("sys.stdin.read()", "")
+    app = subprocess.run([sys.executable, "-c", script.format(tests=TESTS), cluster.address],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **LOOPBACK_ENV})
+    assert app.returncode == 0, app.stderr
+    assert "Traceback" not in app.stderr, app.stderr
+    placed = json.loads(app.stdout)
+    assert wait_gone([p[k] for p in placed for k in ("pid", "host_pid")], timeout=5) == []
     assert wait_full(timeout=15).get("CPU") == 4.0
 
 
