@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import tracemalloc
@@ -91,6 +92,27 @@ def test_foreign_entries_in_dev_shm_neither_stop_a_runner_nor_are_touched(other_
         assert os.path.isdir(foreign_dir) and os.path.isfile(foreign_file)
     finally:
         subprocess.run(["rm", "-rf", shm_dir], check=False)
+
+
+def test_reclaim_never_follows_a_link_named_like_a_dead_runners_directory(tmp_path):
+    """/tmp: a symlink named like a dead runner's private directory is left alone (lstat),
+    its target untouched; a dead runner's real directory is reclaimed."""
+    target = tmp_path / "precious"
+    target.mkdir()
+    (target / "keep").write_text("x")
+    base = tempfile.gettempdir()
+    link = os.path.join(base, f"reactor-dist-{dead_pid()}-beef")
+    dead = os.path.join(base, f"reactor-dist-{dead_pid() - 7}-cafe")
+    os.symlink(target, link)
+    os.mkdir(dead, 0o700)
+    try:
+        with small_runner() as runner:
+            assert runner.generate(1) == 1
+        assert os.path.islink(link) and (target / "keep").read_text() == "x"
+        assert not os.path.exists(dead)
+    finally:
+        os.unlink(link)
+        shutil.rmtree(dead, ignore_errors=True)
 
 
 def test_a_directory_squatting_on_a_runners_names_never_stops_its_shutdown(tmp_path):
