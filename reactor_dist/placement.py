@@ -180,14 +180,13 @@ class RayGroup:
 
         bundles = [dict(self.bundle) for _ in range(self.world_size)]
         selector = [{NODE_LABEL: self.node}] + [{}] * (self.world_size - 1) if pinned else None
-        group = placement_group(bundles, strategy=self.spec.strategy,
-                                bundle_label_selector=selector)
+        group = self.group = placement_group(  # held here at once: close() removes it
+            bundles, strategy=self.spec.strategy, bundle_label_selector=selector)
         ready, _ = self.ray.wait([group.ready()], timeout=max(wait, 0.01))
-        if ready:
-            self.group = group
-            return True
-        remove_placement_group(group)
-        return False
+        if not ready:
+            remove_placement_group(group)
+            self.group = None
+        return bool(ready)
 
     def _start_hosts(self, timeout: float) -> None:
         ray = self.ray
@@ -206,16 +205,21 @@ class RayGroup:
             self.group, placement_group_bundle_index=rank)).remote(rank, self.world_size,
                                                                     self.output)
                  for rank in range(self.world_size)]
-        try:
-            wheres = ray.get([h.where.remote() for h in hosts], timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            self.ranks = [HostedRank(r, h, table.get(r, "?"), "", 0, False)
-                          for r, h in enumerate(hosts)]
-            raise WorkerTimeout(f"Ray did not start the ranks' hosts within the "
-                                f"{timeout:g} s left of start_timeout") from None
+        # Known before anything can fail, so that close() ends whatever started.
+        self.ranks = [HostedRank(r, h, table.get(r, "?"), "", 0, False)
+                      for r, h in enumerate(hosts)]
+        wheres = self._get([h.where.remote() for h in hosts], timeout, "start the ranks' hosts")
         self.ranks = [HostedRank(r, h, node, self.addresses[node], pid, node == self.node)
                       for r, (h, (node, pid, _)) in enumerate(zip(hosts, wheres, strict=True))]
         self.keys = {r: key for r, (*_, key) in enumerate(wheres)}
+
+    def _get(self, refs: Any, timeout: float, what: str) -> Any:
+        """ray.get within what is left of start_timeout (a WorkerTimeout past it)."""
+        try:
+            return self.ray.get(refs, timeout=max(timeout, 0.01))
+        except self.ray.exceptions.GetTimeoutError:
+            raise WorkerTimeout(f"Ray did not {what} within the {timeout:g} s left of "
+                                f"start_timeout") from None
 
     # -- launch ---------------------------------------------------------------------
     @property
@@ -228,10 +232,11 @@ class RayGroup:
     def launch(self, boots: list[Bootstrap], env: dict[str, str], launch_prefix: list[str],
                timeout: float) -> None:
         """Start every rank through its host (the bootstraps are ready)."""
-        ray = self.ray
         master = self.ranks[0]
         # MASTER_PORT for models that form their own group (init_process_group=False).
-        master_port = ray.get(master.host.free_port.remote(master.address), timeout=timeout)
+        deadline = time.monotonic() + timeout
+        master_port = self._get(master.host.free_port.remote(master.address), timeout,
+                                "reach rank 0's host")
         lifeline = self._open_lifeline() if self.spans_nodes else None
         calls = []
         for hosted, boot in zip(self.ranks, boots, strict=True):
@@ -243,7 +248,8 @@ class RayGroup:
                 boot.to_bytes(), env, [p.replace("{rank}", str(hosted.rank))
                                        for p in launch_prefix],
                 torch_env, None if hosted.local else lifeline))
-        for hosted, pid in zip(self.ranks, ray.get(calls, timeout=timeout), strict=True):
+        pids = self._get(calls, deadline - time.monotonic(), "start the ranks")
+        for hosted, pid in zip(self.ranks, pids, strict=True):
             hosted.pid = pid
 
     def _open_lifeline(self) -> tuple[str, int]:
@@ -266,7 +272,15 @@ class RayGroup:
 
         def run() -> None:
             while waiting and not self._closing.is_set():
-                done, _ = ray.wait(list(waiting), num_returns=1, timeout=0.25)
+                try:
+                    done, _ = ray.wait(list(waiting), num_returns=1, timeout=0.25)
+                except Exception as exc:  # Ray itself is gone (shut down, or lost)
+                    if self._closing.is_set() or not ray.is_initialized():
+                        return
+                    for hosted in waiting.values():
+                        hosted.report = f"rank {hosted.rank}: Ray lost ({exc})"
+                    notice(sorted(h.rank for h in waiting.values()))
+                    return
                 for ref in done:
                     hosted = waiting.pop(ref)
                     try:
