@@ -21,7 +21,7 @@ model's process, and killing a rank's whole group is ours to do, not Ray's.
 Two watches end a rank whose runner is gone: the rank watches this host's pid (as a
 local rank watches its runner), and Ray kills the host when its owner, the runner's
 process, dies; on top, the host holds a TCP *lifeline* to the runner and ends the
-rank the moment it breaks (keepalive finds a dead node within seconds).
+rank and itself the moment it breaks (keepalive finds a dead node within seconds).
 """
 
 from __future__ import annotations

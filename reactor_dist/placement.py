@@ -14,6 +14,7 @@ Ray reserves and places; the rest is the local runner's::
     launch()    each host starts its rank (same rank code, same bootstrap)
     watch       a thread waits on every host's exited(): a rank's death (or its host's,
                 or its node's) is a death notice like a local one
+    lifeline    each host holds a TCP connection to the runner: broken, it ends its rank
 
 Locality is decided by Ray's node id alone, never by trying shared memory.
 """
@@ -237,7 +238,7 @@ class RayGroup:
         deadline = time.monotonic() + timeout
         master_port = self._get(master.host.free_port.remote(master.address), timeout,
                                 "reach rank 0's host")
-        lifeline = self._open_lifeline() if self.spans_nodes else None
+        lifeline = self._open_lifeline()
         calls = []
         for hosted, boot in zip(self.ranks, boots, strict=True):
             same_node = [r.rank for r in self.ranks if r.node == hosted.node]
@@ -247,14 +248,15 @@ class RayGroup:
             calls.append(hosted.host.launch.remote(
                 boot.to_bytes(), env, [p.replace("{rank}", str(hosted.rank))
                                        for p in launch_prefix],
-                torch_env, None if hosted.local else lifeline))
+                torch_env, lifeline))
         pids = self._get(calls, deadline - time.monotonic(), "start the ranks")
         for hosted, pid in zip(self.ranks, pids, strict=True):
             hosted.pid = pid
 
     def _open_lifeline(self) -> tuple[str, int]:
-        """A TCP listener the remote hosts hold a connection to: when this process dies
-        the kernel closes it, and they end their ranks (host.RankHost._hold)."""
+        """A TCP listener every host holds a connection to: when this process dies the
+        kernel closes it, and the hosts end their ranks and themselves at once, however
+        long Ray takes to notice (host.RankHost._hold)."""
         self.lifeline = socket.create_server((self.address, 0), backlog=64)
 
         def accept() -> None:

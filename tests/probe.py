@@ -91,7 +91,7 @@ class Probe:
         return self._transport.bus.server_key
 
     def cut_lifelines(self) -> None:
-        """Close the runner's end of every remote host's lifeline (as its death would)."""
+        """Close the runner's end of every host's lifeline (as its death would)."""
         group = self._transport.placement
         for sock in group._held:
             sock.close()
