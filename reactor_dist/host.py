@@ -56,12 +56,6 @@ class RankHost:
 
         return ray.get_runtime_context().get_node_id(), os.getpid(), self._public
 
-    def gpus(self) -> list[str]:
-        """The GPU ids Ray gave this rank (CUDA_VISIBLE_DEVICES of its process)."""
-        import ray
-
-        return [str(g) for g in ray.get_gpu_ids()]
-
     def free_port(self, address: str) -> int:
         """A free TCP port at ``address`` on this node (MASTER_PORT)."""
         with socket.socket() as s:
@@ -74,10 +68,10 @@ class RankHost:
         boot = Bootstrap.read_bytes(bootstrap)
         if boot.curve is not None:  # the secret key is born here and stays here
             boot = dataclasses.replace(boot, curve=(boot.curve[0], self._public, self._secret))
+        if lifeline is not None:  # first: a runner already gone gets no rank started
+            self._hold(lifeline)
         self.ranks.spawn(self.rank, boot.to_bytes(), master_port=0, env=env, gpus=None,
                          launch_prefix=launch_prefix, torch_env=torch_env)
-        if lifeline is not None:
-            self._hold(lifeline)
         return self.ranks.procs[0].pid
 
     def _hold(self, address: tuple[str, int]) -> None:
@@ -108,11 +102,6 @@ class RankHost:
     def stacks(self) -> str:
         """Every thread's stack of the rank (faulthandler), as Ranks.stacks shows them."""
         return self.ranks.stacks([0])
-
-    def signal(self, signum: int) -> None:
-        """Signal the rank's process group (tests: a remote rank's death)."""
-        with contextlib.suppress(IndexError):
-            self.ranks.procs[0].signal_group(signum)
 
     def stop(self, grace: float) -> None:
         """Give the rank ``grace`` seconds to exit, then end its group for sure."""
