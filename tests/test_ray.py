@@ -220,6 +220,24 @@ def test_an_in_band_array_over_the_frame_bound_is_refused_before_sending(cluster
         assert np.array_equal(runner.generate(small), small)
 
 
+def test_a_busy_caller_node_sends_rank_0_elsewhere(cluster):
+    """This node could hold rank 0 but is full: after the pinned try, Ray places every
+    rank on the other node, and rank 0's results come over the bus."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    here = ray.get_runtime_context().get_node_id()
+    hog = placement_group([{"CPU": 2}], bundle_label_selector=[{"ray.io/node-id": here}])
+    assert hog.wait(10)
+    try:
+        with placed_runner(ray_strategy="PACK") as runner:
+            assert [p["local"] for p in Probe(runner).placed] == [False, False]
+            out = runner.generate(FullArray([MB16], fill=9))
+            assert out.shape == (MB16,) and int(out[-1]) == 9
+    finally:
+        remove_placement_group(hog)
+    assert nothing_reserved() and wait_full().get("CPU") == 4.0
+
+
 def test_the_tcp_bus_admits_only_the_runners_ranks(cluster):
     """The bus's TCP endpoints speak CurveZMQ: a plain peer and a CURVE peer with a key
     of its own get nothing in and nothing out, and the runner stays healthy."""
