@@ -43,10 +43,12 @@ KEEPALIVE = (1, 1, 3)  # idle s, interval s, probes: a silent dead peer found in
 class RankHost:
     """One rank's process on this node (used as a Ray actor, max_concurrency > 1)."""
 
-    def __init__(self, rank: int, world_size: int, output: str = "stderr") -> None:
+    def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
         self.died = threading.Event()
-        self.ranks = Ranks(world_size, lambda ranks: self.died.set(), output)
+        # The rank's lines, [rank N]-prefixed, on this actor's stderr: Ray forwards them
+        # to the runner's process (log_to_driver); crash reports and stacks keep the last.
+        self.ranks = Ranks(world_size, lambda ranks: self.died.set(), "stderr")
         self._public, self._secret = zmq.curve_keypair()
         self._lifeline: socket.socket | None = None
 

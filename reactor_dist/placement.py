@@ -111,9 +111,9 @@ class HostedRank:
 class RayGroup:
     """The placement group, the hosts and their watch, of one runner."""
 
-    def __init__(self, world_size: int, spec: RaySpec, device: str, output: str) -> None:
+    def __init__(self, world_size: int, spec: RaySpec, device: str) -> None:
         self.ray = import_ray()
-        self.world_size, self.spec, self.device, self.output = world_size, spec, device, output
+        self.world_size, self.spec, self.device = world_size, spec, device
         self.group: Any = None
         self.ranks: list[HostedRank] = []
         self.bundle: dict[str, float] = {}
@@ -203,8 +203,7 @@ class RayGroup:
         if "memory" in self.bundle:
             options["memory"] = self.bundle["memory"]
         hosts = [host_class.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            self.group, placement_group_bundle_index=rank)).remote(rank, self.world_size,
-                                                                    self.output)
+            self.group, placement_group_bundle_index=rank)).remote(rank, self.world_size)
                  for rank in range(self.world_size)]
         # Known before anything can fail, so that close() ends whatever started.
         self.ranks = [HostedRank(r, h, table.get(r, "?"), "", 0, False)

@@ -116,9 +116,11 @@ class DistributedRunner:
                 raise ValueError(f"gpus={gpus} names {len(gpus)} GPUs for {world_size} ranks; "
                                  f"give one GPU per rank")
         ray = check_ray_options(placement, ray_bundle, ray_strategy)
-        if ray is not None and gpus is not None:
+        if ray is not None and (gpus is not None or rank_output == "log"):
             raise ValueError("gpus= and placement='ray' exclude each other: Ray assigns the "
-                             "GPUs (ray_bundle); leave gpus out")
+                             "GPUs (ray_bundle); leave gpus out" if gpus is not None else
+                             "rank_output='log' does not apply with placement='ray': Ray "
+                             "forwards the ranks' output lines (log_to_driver)")
         env = {str(k): str(v) for k, v in (env or {}).items()}
         self._gpus, self._device = gpus, device
         if where.module == "__main__":

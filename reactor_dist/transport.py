@@ -157,8 +157,7 @@ class Transport(CallPath):
         """placement="ray": reserve, then start each rank through its host; a rank on
         another node than this one gets the bus over TCP (CurveZMQ) and in-band payloads."""
         assert self.bus is not None and self.ranks is not None and self._ray is not None
-        group = self.placement = RayGroup(self.world_size, self._ray, self._device,
-                                          self.rank_output)
+        group = self.placement = RayGroup(self.world_size, self._ray, self._device)
         group.reserve(max(deadline - time.monotonic(), 0.01), self._start_timeout)
         remote: dict[str, Any] = {}
         if group.spans_nodes:

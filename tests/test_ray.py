@@ -403,6 +403,7 @@ def test_shutdown_leaves_no_actor_process_or_placement_group(cluster):
     ({"ray_bundle": {"GPU": -1}}, "ray_bundle must be a dict"),
     ({"placement": "slurm"}, "placement must be 'local' or 'ray'"),
     ({"gpus": [0, 1]}, "gpus= and placement='ray' exclude each other"),
+    ({"rank_output": "log"}, "rank_output='log' does not apply with placement='ray'"),
 ])
 def test_bad_placement_options_are_refused_at_construction(options, message):
     with pytest.raises(ValueError, match=message):
