@@ -153,6 +153,16 @@ class ReportEnvironment(Step):
 
 
 @dataclasses.dataclass
+class Say(Step):
+    """Each rank prints ``text`` and its rank on stdout."""
+
+    text: str
+
+    def run(self, worker: Echo):
+        print(f"{self.text} from rank {worker.rank}", flush=True)
+
+
+@dataclasses.dataclass
 class GatherEnvironment(Step):
     """ReportEnvironment of every rank, all_gathered over the group (rank order)."""
 

@@ -360,6 +360,30 @@ def test_a_script_that_never_calls_shutdown_leaves_nothing(cluster):
     assert wait_full(timeout=15).get("CPU") == 4.0
 
 
+SAYING_APP = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    import ray
+    from sample_workers import Echo, Say
+    from reactor_dist import DistributedRunner
+
+    ray.init(address=sys.argv[1], include_dashboard=False)  # log_to_driver: on
+    with DistributedRunner(Echo, world_size=2, device="cpu", placement="ray",
+                           ray_strategy="STRICT_SPREAD", init_process_group=False) as runner:
+        runner.generate(Say("hello"))
+        time.sleep(3)  # Ray's log monitor forwards lines about every half second
+""")
+
+
+def test_the_ranks_output_reaches_the_runners_terminal_through_ray(cluster):
+    app = subprocess.run([sys.executable, "-c", SAYING_APP.format(tests=TESTS),
+                          cluster.address], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **LOOPBACK_ENV})
+    assert app.returncode == 0, app.stderr
+    both = app.stdout + app.stderr
+    assert "[rank 0] hello from rank 0" in both and "[rank 1] hello from rank 1" in both, both
+
+
 def test_no_room_is_a_clear_error_at_once_and_nothing_stays_reserved(cluster):
     runner = placed_runner(ray_bundle={"GPU": 2})
     began = time.monotonic()
