@@ -244,10 +244,8 @@ class RayGroup:
             torch_env = torchrun_env(hosted.rank, self.world_size, master_port,
                                      master.address, (same_node.index(hosted.rank),
                                                       len(same_node)))
-            calls.append(hosted.host.launch.remote(
-                boot.to_bytes(), env, [p.replace("{rank}", str(hosted.rank))
-                                       for p in launch_prefix],
-                torch_env, lifeline))
+            calls.append(hosted.host.launch.remote(  # {rank} is filled in by Ranks.spawn
+                boot.to_bytes(), env, launch_prefix, torch_env, lifeline))
         pids = self._get(calls, deadline - time.monotonic(), "start the ranks")
         for hosted, pid in zip(self.ranks, pids, strict=True):
             hosted.pid = pid
@@ -293,9 +291,7 @@ class RayGroup:
                     if not self._closing.is_set():
                         notice([hosted.rank])
 
-        self._watcher = threading.Thread(target=run, name="reactor-dist-ray-watch",
-                                         daemon=True)
-        self._watcher.start()
+        threading.Thread(target=run, name="reactor-dist-ray-watch", daemon=True).start()
 
     # -- end ------------------------------------------------------------------------
     def close(self, grace: float) -> None:

@@ -294,12 +294,8 @@ class Ranks:
                 break
         for p in procs:
             p.output.muted = False
-        shown = {id(p): f"rank {p.rank} (pid {p.pid}), last output:\n" + "\n".join(
-            f"    {line}" for line in without_own_threads(p.output.last_lines(30)))
-            for p in procs}
-        shown.update({id(self.procs[i]): self.procs[i].stacks_now(later)
-                      for i, later in hosted.items()})
-        return "\n".join(shown[id(self.procs[i])] for i in silent)
+        return "\n".join(self.procs[i].stacks_now(hosted[i]) if i in hosted
+                         else dump_of(self.procs[i]) for i in silent)
 
     def end(self, grace: float) -> None:
         """Wait up to ``grace`` for a graceful exit, then end every rank for sure."""
@@ -312,6 +308,12 @@ class Ranks:
 
 # The first frame of a rank's own runner-watch thread (rank.watch_runner) in a dump.
 OWN_THREAD = re.compile(r'reactor_dist[/\\]rank\.py", line \d+ in wait$')
+
+
+def dump_of(proc: RankProcess) -> str:
+    """A rank's faulthandler dump, as its output pump saw it."""
+    return f"rank {proc.rank} (pid {proc.pid}), last output:\n" + "\n".join(
+        f"    {line}" for line in without_own_threads(proc.output.last_lines(30)))
 
 
 def without_own_threads(lines: list[str]) -> list[str]:

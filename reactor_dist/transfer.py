@@ -107,9 +107,9 @@ def _room_check(ledger: Ledger, what: str, inline_limit: int) -> Callable[[int],
     return admit
 
 
-def _check_in_band(sizes: list[int], stream: int, inline_limit: int, what: str) -> None:
-    """Refuse, before anything is sent, a payload the receiver would drop unread."""
-    in_band = [n for n in sizes if n < inline_limit]
+def _check_in_band(in_band: list[int], stream: int, what: str) -> None:
+    """Refuse, before anything is sent, a payload the receiver would drop unread
+    (``in_band``: the sizes of the buffers that travel as frames of their own)."""
     if max(in_band, default=0) > wire.MAX_FRAME:
         raise ValueError(
             f"{what} holds an array of {max(in_band) >> 20} MiB that travels in-band (to a "
@@ -141,7 +141,6 @@ def encode(obj: Any, ledger: Ledger, what: str, holders: Iterable[Hashable],
             f"in shared memory instead, bytes and str do not")
     if not buffers:
         return [], [stream], []
-    _check_in_band([pb.raw().nbytes for pb in buffers], len(stream), inline_limit, what)
     holders = list(holders)
     frames: list[Any] = [stream]
     descriptors: list[Any] = []
@@ -163,6 +162,7 @@ def encode(obj: Any, ledger: Ledger, what: str, holders: Iterable[Hashable],
             continue
         descriptors.append(None)  # filled once the copy segment is known
         copies.append((len(descriptors) - 1, raw))
+    _check_in_band([frame.nbytes for frame in frames[1:]], len(stream), what)
     used = list(found_segments)
     if copies:
         total = sum(align(raw.nbytes) for _, raw in copies)
