@@ -20,6 +20,7 @@ import secrets
 import shutil
 import stat
 import tempfile
+import threading
 from typing import Any
 
 import psutil
@@ -107,6 +108,7 @@ class Bus:
         self.pull_fd = self.pull.get(zmq.FD)  # for an event loop's add_reader (aio.py)
         self.pull_events = functools.partial(super(zmq.Socket, self.pull).get, zmq.EVENTS)
         self._pub_open = False  # a multipart command is half-sent (interrupted)
+        self.pub_lock = threading.Lock()  # the caller's thread and the releaser's
         self.auth: Any = None  # zmq.auth's thread, once open_tcp() admits remote ranks
         self._pull_timeout = -1  # the PULL socket's RCVTIMEO, in ms
 
@@ -135,16 +137,17 @@ class Bus:
         return addresses[0], addresses[1], public
 
     def publish(self, header: dict[str, Any], body: list | tuple = ()) -> None:
-        """Send one command to every rank."""
+        """Send one command to every rank (from any thread: see reactor_dist.releaser)."""
         header[Field.RANK] = -1
-        frames = self.channel.pack(header, body)
-        if self._pub_open:
-            # A Ctrl-C cut the last command short: end that message with an empty frame
-            # (the ranks reject it: its MAC fails) so it cannot swallow this one.
-            self.pub.send(b"")
-        self._pub_open = True
-        wire.send(self._pub_send, frames)
-        self._pub_open = False
+        with self.pub_lock:  # the packer's buffer too is one per channel
+            frames = self.channel.pack(header, body)
+            if self._pub_open:
+                # A Ctrl-C cut the last command short: end that message with an empty
+                # frame (the ranks reject it: its MAC fails) so it cannot swallow this one.
+                self.pub.send(b"")
+            self._pub_open = True
+            wire.send(self._pub_send, frames)
+            self._pub_open = False
 
     def receive(self, wait_ms: int) -> tuple[dict, list] | None:
         """The next message if it is an authentic reply or death notice; None when

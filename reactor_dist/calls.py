@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import shm, transfer
 from .errors import WorkerCrashed, WorkerTimeout, rebuild_exception, type_name
-from .ledger import Ledger, Mapped
+from .ledger import IDLE_RETURN, Ledger, Mapped
 from .outcome import RETURNED, Outcome
 from .protocol import ErrorRecord, Field, Kind, Method, Status, segments_of
 
@@ -83,6 +83,9 @@ class CallPath:
     results: Mapped
     owing: dict[int, int]
     interrupted: int
+    rounds: int = 0  # RECLAIM rounds asked (reclaim())
+    last_sent: float = 0.0  # perf_counter when the last call was sent
+    reclaim_timeout: float | None = None  # the call being sent's timeout bounds a reclaim
     inline_limit: int = transfer.INLINE_LIMIT  # IN_BAND when a rank is on another node
 
     def crashed(self, dead: list[int], what: str) -> WorkerCrashed:
@@ -112,8 +115,12 @@ class CallPath:
                 raise self.crashed(dead, "an idle moment between calls")
         header: dict[str, Any] = {Field.KIND: Kind.CALL, Field.METHOD: method}
         body: list = [b""]
+        if started - self.last_sent > IDLE_RETURN and self.inputs.idle:
+            self.inputs.retire_idle()  # a cache, never a hoard: they ride as RETIRED
+        self.last_sent = started
         if method == Method.GENERATE:
             self.inputs.new_call()
+            self.reclaim_timeout = timeout
             try:
                 descriptors, body, _ = transfer.encode(
                     value, self.inputs, "the input of generate()", holders=range(self.world_size),
@@ -286,6 +293,8 @@ class CallPath:
         WorkerTimeout once ``deadline`` passed (``quiet``: not even then).  Applies the
         ledger fields every message carries."""
         assert self.bus is not None
+        if self.results.has_released():
+            self.pass_on_releases()
         if deadline is None:
             message = self.bus.receive(-1)
         else:
@@ -298,11 +307,65 @@ class CallPath:
         return self.arrived(message)
 
     def arrived(self, message: tuple[dict, list]) -> tuple[dict, list]:
-        """Apply the ledger fields that any message may carry."""
+        """Apply the ledger fields that any message may carry; answer a STARVED."""
         header = message[0]
         if Field.RELEASED in header or Field.RETIRED in header:
             self._apply_ledger_fields(header)
+        if header[Field.KIND] == Kind.STARVED:
+            self.feed(header)
         return message
+
+    # -- shared memory back to whoever needs it (drawn in reactor_dist.rank_memory) ----
+    def pass_on_releases(self) -> None:
+        """Rank 0's segments the caller let go reach it now, not with the next call."""
+        assert self.bus is not None
+        released = self.results.take_released()
+        if not released:
+            return
+        try:
+            self.bus.publish({Field.KIND: Kind.RELEASE, Field.SEQ: self.seq,
+                              Field.RELEASED: released})
+        except BaseException:
+            self.results.release(released)  # not sent: the next message carries them
+            raise
+
+    def feed(self, starved: dict[str, Any]) -> None:
+        """Rank 0 cannot allocate a result segment: everything we can give back goes to
+        it now (our idle inputs retired, the caller's releases), as the answer to its
+        round; rank 0 then tries once more.  By the time we read STARVED, every item
+        rank 0 sent before it has been taken: what the caller still holds, it holds."""
+        assert self.bus is not None
+        retired = self.inputs.retire_idle()
+        self.bus.publish({Field.KIND: Kind.RELEASE, Field.SEQ: self.seq,
+                          Field.ROUND: starved.get(Field.ROUND),
+                          Field.RELEASED: self.results.take_released(),
+                          Field.RETIRED: retired})
+
+    def reclaim(self, nbytes: int) -> None:
+        """An input of ``nbytes`` does not fit, even with our idle segments retired:
+        every rank unmaps them and rank 0 gives back its idle result segments (RECLAIM,
+        one RECLAIMED per rank), within the call's timeout; then the ledger tries once
+        more.  A rank that does not answer in time only means the allocation fails."""
+        assert self.bus is not None and self.ranks is not None
+        self.rounds += 1
+        self.bus.publish({Field.KIND: Kind.RECLAIM, Field.SEQ: self.seq,
+                          Field.ROUND: self.rounds,
+                          Field.RELEASED: self.results.take_released(),
+                          Field.RETIRED: self.inputs.take_retired()})
+        timeout = self.reclaim_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        answered: set[int] = set()
+        late = PendingCall(-1, "reclaim", None)  # answers nothing: late replies are applied
+        while len(answered) < self.world_size:
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            header, body = self.wait(deadline, "reclaim", {}, None, quiet=True)
+            if header is None:
+                continue
+            if header[Field.KIND] == Kind.RECLAIMED and header.get(Field.ROUND) == self.rounds:
+                answered.add(header[Field.RANK])
+            else:
+                self.take(late, header, body)
 
     def finish(self, pending: PendingCall) -> list[Outcome]:
         """Wait for the end of an abandoned call, its remaining items handed back unread

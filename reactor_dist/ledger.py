@@ -16,6 +16,11 @@ faults, and even mapping an existing one costs about one.  So both sides keep
 their segments mapped and reuse them; a segment is reused only once every holder
 released it, so reuse never hands out memory somebody still reads.
 
+Warm pools are a cache, never a hoard.  An allocation that would not fit first
+retires this side's idle segments, then asks the other side to give back its own
+(``reclaim``: the caller's RECLAIM round, rank 0's STARVED), and only then fails;
+and idle segments are given back after IDLE_RETURN seconds without a call.
+
 Releases often come from a finalizer (an array was collected), which may run in
 any thread at any moment: :meth:`Ledger.release` and the mapped bases' finalizers
 only append to a queue, which the owning thread applies at its next operation.
@@ -41,15 +46,21 @@ NAME_TRIES = 8  # names taken by somebody else before we give up
 # never more than WARM_MOST for that reason.  Results held across calls do not count:
 # dropping them returns their memory.
 WARM_WINDOW, WARM_MOST = 32, 16
+# Idle segments are given back after this many seconds without a call.
+IDLE_RETURN = 2.0
 
 
 class Ledger:
     """The segments one side owns and lends out; idle ones stay warm for reuse."""
 
     def __init__(self, directory: str, prefix: str, tag: str, keep_free: int = 2,
-                 token: Callable[[], str] = lambda: secrets.token_hex(8)) -> None:
+                 token: Callable[[], str] = lambda: secrets.token_hex(8),
+                 reclaim: Callable[[int], None] | None = None) -> None:
         self.directory, self.prefix, self.tag, self.keep_free = directory, prefix, tag, keep_free
         self.token = token  # a segment's name: prefix, tag and a random token (not a counter)
+        # Asks the other side to give back what it keeps (its idle segments, and ours it
+        # still maps) before an allocation is refused; told how many bytes are wanted.
+        self.reclaim = reclaim
         self.segments: dict[str, Segment] = {}
         self.holders: dict[str, Counter] = {}  # name -> who still holds it; empty = idle
         self.idle: list[str] = []  # oldest first
@@ -61,24 +72,66 @@ class Ledger:
         """An idle segment of at least ``nbytes`` (smallest fit) or a new one, held by
         ``holders``; SharedSlotAllocationFailed when /dev/shm cannot hold it."""
         self._apply_releases()
-        fits = [n for n in self.idle if self.segments[n].size >= nbytes]
-        if fits:
-            name = min(fits, key=lambda n: self.segments[n].size)
-            self.idle.remove(name)
-        else:
-            size = max(GRANULE, (nbytes + GRANULE - 1) // GRANULE * GRANULE)
-            try:
-                seg = self._create(size, what)
-            except SharedSlotAllocationFailed:
-                if not self.idle:  # idle segments that do not fit are worth less
-                    raise
-                self._retire(keep=0)
-                seg = self._create(size, what)
-            name = seg.name
-            self.segments[name] = seg
+        name = self._take_idle(nbytes)
+        if name is None:
+            name = self._new_segment(nbytes, what)
         self.holders[name] = Counter(holders)
         self._per_call[-1] += 1
         return self.segments[name]
+
+    def _new_segment(self, nbytes: int, what: str) -> str:
+        """A new segment; when it does not fit, our idle segments go first (they fit
+        less well), then the other side gives back what it keeps (``reclaim``: our
+        retired names ride on its message, so that the peers unmap them), then one
+        more try: an idle segment now fits, or room for a new one."""
+        size = max(GRANULE, (nbytes + GRANULE - 1) // GRANULE * GRANULE)
+        try:
+            seg = self._create(size, what)
+        except SharedSlotAllocationFailed:
+            if not self.idle and self.reclaim is None:
+                raise
+            self._retire(keep=0)
+            if self.reclaim is not None:
+                self.reclaim(size)
+                self._apply_releases()  # what the other side let go meanwhile
+                name = self._take_idle(nbytes)
+                if name is not None:
+                    return name
+                self._retire(keep=0)
+            seg = self._create(size, what)
+        self.segments[seg.name] = seg
+        return seg.name
+
+    def _take_idle(self, nbytes: int) -> str | None:
+        """The smallest idle segment that fits, taken off the idle list."""
+        fits = [n for n in self.idle if self.segments[n].size >= nbytes]
+        if not fits:
+            return None
+        name = min(fits, key=lambda n: self.segments[n].size)
+        self.idle.remove(name)
+        return name
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` can be had now without asking anybody: an idle segment
+        fits, or the filesystem has room once every idle segment is retired."""
+        self._apply_releases()
+        if any(self.segments[n].size >= nbytes for n in self.idle):
+            return True
+        self._retire(keep=0)
+        return capacity(self.directory)[1] >= nbytes
+
+    def has_idle(self) -> bool:
+        """Whether an idle segment (or a retirement not yet told) waits: after the
+        releases queued so far are applied."""
+        self._apply_releases()
+        return bool(self.idle or self._retired)
+
+    def retire_idle(self) -> list[str]:
+        """Give back every idle segment now (a peer asked, or nobody called for a
+        while); the names retired so far, for the RETIRED field."""
+        self._apply_releases()
+        self._retire(keep=0)
+        return self.take_retired()
 
     def _create(self, size: int, what: str) -> Segment:
         """A new segment under a fresh unpredictable name; a name somebody took first
@@ -169,6 +222,9 @@ class Mapped:
         self._opener, self._accept = opener, accept
         self.views: dict[str, Any] = {}
         self._released: collections.deque[str] = collections.deque()
+        self.live: Counter = Counter()  # name -> arrays handed out and not yet collected
+        # Told (from a finalizer: must never block) that a release was queued.
+        self.notify: Callable[[], None] = lambda: None
 
     def base(self, name: str) -> np.ndarray:
         view = self.views.get(name)
@@ -177,20 +233,39 @@ class Mapped:
                 raise ValueError(f"a message names a foreign segment {name!r}")
             view = self.views[name] = self._opener(name)
         base = np.frombuffer(view.buffer, np.uint8)
-        weakref.finalize(base, self._released.append, name)
+        self.live[name] += 1
+        weakref.finalize(base, self._let_go, name)
         return base
+
+    def _let_go(self, name: str) -> None:
+        self.live[name] -= 1
+        if self.live[name] <= 0:
+            del self.live[name]
+        self._released.append(name)
+        self.notify()
+
+    def unmap_unused(self) -> None:
+        """Drop the mappings nobody views now (idle for a while: a cache, not a hoard;
+        the owner's idle segments only free their memory once unmapped here too)."""
+        self.unmap([name for name in list(self.views) if self.live[name] <= 0])
 
     def release(self, names: Iterable[str]) -> None:
         """Release segments that were never mapped (a discarded answer's)."""
         self._released.extend(names)
 
+    def has_released(self) -> bool:
+        return bool(self._released)
+
     def take_released(self) -> list[str]:
         """The names released since the last call, for the RELEASED field (called on
         every message: cheap when there is nothing to tell)."""
-        released = self._released
-        if not released:
-            return []
-        return [released.popleft() for _ in range(len(released))]
+        released, names = self._released, []
+        while released:  # another thread may take some meanwhile (releaser.py)
+            try:
+                names.append(released.popleft())
+            except IndexError:
+                break
+        return names
 
     def unmap(self, names: Iterable[str]) -> None:
         """Drop these mappings (retired by the owner, or no longer fit for reuse)."""

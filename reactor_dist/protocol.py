@@ -30,6 +30,20 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
                                               (result segments rank 0 unlinked), COMPUTE
                                               (seconds inside the worker method, a float
                                               duration on the rank's monotonic clock)
+    release   ->   the caller let go of rank  RELEASED (rank 0's result segments),
+                   0's segments, or input     RETIRED (input segments unlinked); ROUND
+                   segments were retired,     when it answers a STARVED (the same round)
+                   also during a call
+    reclaim   ->   an input would not fit in  ROUND, RELEASED, RETIRED: every rank unmaps
+                   /dev/shm: every pool gives the retired inputs, rank 0 retires all its
+                   back its idle segments     idle result segments; each answers
+    reclaimed <-   answer to reclaim          ROUND, RETIRED (rank 0's, unlinked)
+    starved   <-   rank 0 cannot allocate a   SEQ (the call), ROUND (rank 0's count),
+                   result segment (during a   NBYTES, RETIRED (its own idle ones); the
+                   call)                      runner answers with a release of the round
+    trimmed   <-   rank 0 retired its idle    RETIRED
+                   segments after IDLE_RETURN
+                   seconds without a command
     shutdown  ->   graceful shutdown          -
     death     (inproc, the runner's death watch to its own PULL socket) RANK = who died
 
@@ -98,17 +112,22 @@ class Field:
     DONE = "dn"
     TOTAL = "tt"
     UNIT = "u"
+    ROUND = "rd"
+    NBYTES = "nb"
 
 
 class Kind:
     """The value of ``Field.KIND``."""
 
     PING, INIT, CALL, SHUTDOWN = "ping", "init", "call", "shutdown"  # runner -> every rank
+    RELEASE, RECLAIM = "release", "reclaim"  # runner -> every rank: shared memory back
     PONG, READY, REPLY, ITEM = "pong", "ready", "reply", "item"  # one rank -> runner
+    RECLAIMED, STARVED, TRIMMED = "reclaimed", "starved", "trimmed"  # one rank -> runner
     PROGRESS = "progress"  # one rank -> runner, during start()
     DEATH = "death"  # the runner's death watch -> its own PULL socket
-    COMMANDS = frozenset({PING, INIT, CALL, SHUTDOWN})
-    REPLIES = frozenset({PONG, READY, REPLY, ITEM, PROGRESS})
+    COMMANDS = frozenset({PING, INIT, CALL, SHUTDOWN, RELEASE, RECLAIM})
+    MEMORY = frozenset({RELEASE, RECLAIM})  # a rank applies these also during a call
+    REPLIES = frozenset({PONG, READY, REPLY, ITEM, PROGRESS, RECLAIMED, STARVED, TRIMMED})
     ALL = COMMANDS | REPLIES | {DEATH}
     TO_RUNNER = REPLIES | {DEATH}  # what the runner's PULL socket accepts
 

@@ -28,10 +28,8 @@ import signal
 import sys
 import threading
 import time
-import weakref
 from typing import Any
 
-import numpy as np
 import psutil
 import zmq
 
@@ -39,14 +37,12 @@ from . import shm, transfer, wire
 from .device import choose_device
 from .errors import SharedSlotAllocationFailed, describe, pickle_exception
 from .group import Rendezvous
-from .ledger import Ledger, Mapped
 from .progress import FORMING, IMPORTING, LOADING, Reporter
 from .protocol import Bootstrap, Field, Kind, Method, Status
+from .rank_memory import CALLER, Inbox, RankMemory
 from .validation import import_worker_class
 
 log = logging.getLogger("reactor_dist")  # no handler here: its lines reach [rank N] output
-# Who holds a segment of rank 0's result ledger.
-CALLER, WORKER = "caller", "worker"
 
 
 def watch_runner(pid: int, on_death) -> None:
@@ -73,14 +69,9 @@ class RankServer:
         self.channel = wire.Channel(boot.secret)
         self.worker: Any = None
         self.last_seq = 0
-        self.rejected = 0
         # Rank 0's results (owned here); the runner's inputs (mapped here, copy-on-write).
-        self.results = Ledger(boot.shm_dir, boot.shm_prefix, f"r{self.rank}-",
-                              keep_free=boot.keep_free)
-        prefix = boot.shm_prefix + "."
-        self.inputs = Mapped(lambda name: shm.PrivateView(boot.shm_dir, name),
-                             lambda name: "/" not in name and name.startswith(prefix))
-        self.unchecked: set[str] = set()  # released input views not yet checked for writes
+        self.memory = RankMemory(boot, self.rank, self.send)
+        self.results, self.inputs = self.memory.results, self.memory.inputs
         self.inside = 0.0  # seconds inside the running generator step (run_steps)
         self.progress = Reporter(self.send)  # Kind.PROGRESS during start-up
         # Payloads from this size on go through shared memory, where the runner has it.
@@ -102,6 +93,7 @@ class RankServer:
         self.sub.connect(self.boot.cmd_addr)
         self.push.connect(self.boot.reply_addr)
         self.push_send = wire.direct_send(self.push)
+        self.inbox = self.memory.inbox = Inbox(self.channel, self.sub, self.memory.on_memory)
 
     def send(self, header: dict[str, Any], body: list | tuple = ()) -> None:
         header[Field.RANK] = self.rank
@@ -131,13 +123,11 @@ class RankServer:
         self.rendezvous = Rendezvous(self.boot, self.private_dir())
         port = self.open_rendezvous()
         while True:
-            try:
-                header, body = self.channel.recv(self.sub)
-            except wire.ProtocolError as exc:
-                self.rejected += 1
-                if self.rejected <= 3:  # say it, but never flood the log
-                    log.warning("reactor-dist: rejected a message: %s", exc)
+            message = self.inbox.next(self.memory.idle_wait_ms())
+            if message is None:
+                self.memory.trim()  # no command for IDLE_RETURN seconds
                 continue
+            header, body = message
             kind = header[Field.KIND]
             if kind == Kind.PING:
                 self.send({Field.KIND: Kind.PONG, Field.SEQ: header[Field.SEQ],
@@ -199,19 +189,15 @@ class RankServer:
         worker = cls()
         worker.rank, worker.world_size, worker.device = self.rank, self.world_size, device
         if self.rank == 0:
-            worker._reactor_allocate = self.shared_empty
+            worker._reactor_allocate = self.memory.shared_empty
         worker._reactor_progress = self.progress.report
         worker.load(**pickle.loads(self.boot.load_kwargs))
         return worker
 
     # -- one call ------------------------------------------------------------------------
     def call(self, header: dict[str, Any], body: list) -> None:
-        for name in header.get(Field.RELEASED) or ():
-            if isinstance(name, str):
-                self.results.release(name, CALLER)
-        retired = header.get(Field.RETIRED)
-        if retired:
-            self.inputs.unmap(retired)
+        self.memory.apply(header)
+        self.memory.call_seq = header[Field.SEQ]
         self.results.new_call()
         reply: dict[str, Any] = {Field.KIND: Kind.REPLY, Field.SEQ: header[Field.SEQ],
                                  Field.STATUS: Status.OK}
@@ -222,7 +208,7 @@ class RankServer:
         began = 0.0
         try:
             if generate:
-                value = transfer.decode(header.get(Field.DESCRIPTORS), body, self.input_base)
+                value = transfer.decode(header.get(Field.DESCRIPTORS), body, self.memory.input_base)
                 began = time.perf_counter()
                 result = self.worker.generate(value)
                 del value
@@ -267,12 +253,12 @@ class RankServer:
         released = self.inputs.take_released()
         if released:
             reply[Field.RELEASED] = released
-            self.unchecked.update(released)
+            self.memory.unchecked.update(released)
         retired = self.results.take_retired()
         if retired:
             reply[Field.RETIRED] = retired
         self.send(reply, payload)
-        self.check_written_views()
+        self.memory.check_written_views()
 
     def run_steps(self, seq: int, steps: Any) -> tuple[int, BaseException | None]:
         """Run a generator worker's step to its end (its collectives are inside it); rank
@@ -289,6 +275,7 @@ class RankServer:
                 if self.rank == 0 and failure is None:
                     failure = self.send_item(seq, index, item)
                 del item
+                self.inbox.drain()  # the caller's releases: the next items reuse them
                 began = time.perf_counter()
         finally:  # the last next(): the generator ran out or raised
             self.inside += time.perf_counter() - began
@@ -320,37 +307,12 @@ class RankServer:
         self.send(message, payload)
         return None
 
-    def check_written_views(self) -> None:
-        """Drop mappings this rank wrote to; runs after the reply, off the caller's clock."""
-        while self.unchecked:
-            name = self.unchecked.pop()
-            view = self.inputs.views.get(name)
-            if view is not None and view.written():
-                self.inputs.unmap([name])
-
-    def input_base(self, name: str) -> np.ndarray:
-        self.check_written_views()
-        return self.inputs.base(name)
-
-    def shared_empty(self, shape: Any, dtype: Any) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-        if not self.boot.shared_memory:  # the result travels in-band anyway
-            return np.empty(shape, dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        seg = self.results.acquire(max(nbytes, 1), f"shared_empty({shape}, {dtype})",
-                                   holders=[WORKER])
-        base = np.frombuffer(seg.mm, np.uint8)
-        weakref.finalize(base, self.results.release, seg.name, WORKER)
-        return base[:nbytes].view(dtype).reshape(shape)
-
     def close(self) -> None:
         self.worker = None
         dist = sys.modules.get("torch.distributed")  # never import torch just to leave
         if dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        self.inputs.close()
-        self.results.close()
+        self.memory.close()
         self.sub.close(linger=0)
         self.push.close()
         self.ctx.term()

@@ -46,6 +46,7 @@ from .protocol import (
     Status,
     WorkerRef,
 )
+from .releaser import Releaser
 
 PING_EVERY = 0.02  # handshake: until every rank answered (PUB/SUB's slow joiner)
 log = logging.getLogger("reactor_dist")
@@ -73,9 +74,11 @@ class Transport(CallPath):
         self.owing: dict[int, int] = {}
         self.interrupted = 0  # the latest call whose wait was interrupted
         self.devices: list[str] = []  # each rank's device, once started
-        self.inputs = Ledger(shm_dir, self.shm_prefix, "in", keep_free=keep_free)
+        self.inputs = Ledger(shm_dir, self.shm_prefix, "in", keep_free=keep_free,
+                             reclaim=self.reclaim)
         self.results = Mapped(lambda name: shm.Segment.open(shm_dir, name), self._ours)
         self.bus: Bus | None = None
+        self.releaser: Releaser | None = None
         self.ranks: Ranks | None = None
         self.ipc_dir: str | None = None
         self._owner_lock = -1  # held from start() to close(): see shm.hold_owner_lock
@@ -100,6 +103,9 @@ class Transport(CallPath):
         reclaim_dead_ipc_dirs()
         self.ipc_dir, self._dir_lock = private_dir()
         self.bus = Bus(self.secret, self.ipc_dir, self.world_size)
+        self.releaser = Releaser(self.results.has_released, self.pass_on_releases,
+                                 lambda: self.last_sent, self.results.unmap_unused)
+        self.results.notify = self.releaser.notify
         self.ranks = Ranks(self.world_size, self.bus.tell_death, self.rank_output)
         self.display = Display(self.world_size)
         try:
@@ -274,6 +280,9 @@ class Transport(CallPath):
                 self.placement = None
             log.info("shut down %d rank%s (%s)", len(procs), "s" if len(procs) != 1 else "",
                      "gracefully" if grace else "without grace")
+        if self.releaser is not None:
+            self.releaser.close()  # before the bus: it may be publishing
+            self.releaser = None
         if self.bus is not None:
             self.bus.close()
             self.bus = None

@@ -20,16 +20,18 @@ class Counts(DistributedWorker):
 
 
 class Frames(DistributedWorker):
-    """Yields ``n`` 4 MiB frames filled with their index: plain arrays (copied into
-    shared memory by rank 0) or, with ``shared=True``, arrays from ``shared_empty``."""
+    """Yields ``n`` frames of ``size`` bytes (4 MiB unless told) filled with their index:
+    plain arrays (copied into shared memory by rank 0) or, with ``shared=True``, arrays
+    from ``shared_empty``."""
 
     def generate(self, spec: dict):
+        size = spec.get("size", 4 << 20)
         for i in range(spec["n"]):
             if spec.get("shared"):
-                frame = self.shared_empty((4 << 20,), np.uint8)
+                frame = self.shared_empty((size,), np.uint8)
                 frame[:] = i
             else:
-                frame = np.full(4 << 20, i, np.uint8)
+                frame = np.full(size, i, np.uint8)
             yield frame
 
 

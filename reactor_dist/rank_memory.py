@@ -1,0 +1,184 @@
+"""A rank's shared memory, and the command inbox that lets it come back mid-call.
+
+A rank owns one pool (rank 0's results, :class:`~reactor_dist.ledger.Ledger`) and maps
+the runner's input segments (:class:`~reactor_dist.ledger.Mapped`).  Memory comes back
+to it without waiting for the next call::
+
+    runner                                   rank 0 (in the middle of a stream)
+      caller dropped items  -- release -->   its segments idle again, reused at once
+      an input does not fit -- reclaim -->   every idle segment retired
+                            <-- reclaimed -- (RETIRED: the runner unmaps them)
+                            <-- starved ---  a result does not fit, even with its own
+      retires its idle inputs,               idle segments retired; waits for:
+      passes on releases    -- release -->   (the same ROUND) one more try, then the
+                                             allocation error as before
+      (nothing for IDLE_RETURN s) <-- trimmed -- every idle segment retired
+
+A rank reads its commands only between calls, except here: :class:`Inbox` reads the
+release and reclaim commands whenever the rank looks (after each yielded item, while
+starved) and keeps every other command, in order, for the rank's loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import zmq
+
+from . import shm, wire
+from .ledger import IDLE_RETURN, Ledger, Mapped
+from .protocol import Bootstrap, Field, Kind
+
+log = logging.getLogger("reactor_dist")
+# Who holds a segment of rank 0's result ledger.
+CALLER, WORKER = "caller", "worker"
+Message = tuple[dict[str, Any], list]
+
+
+class Inbox:
+    """The rank's commands in the order sent; memory commands are applied as read."""
+
+    def __init__(self, channel: wire.Channel, sub: zmq.Socket,
+                 on_memory: Callable[[dict[str, Any]], None]) -> None:
+        self.channel, self.sub, self.on_memory = channel, sub, on_memory
+        self.backlog: collections.deque[Message] = collections.deque()
+        self.rejected = 0
+        self.stopping = False  # a SHUTDOWN waits in the backlog: nobody will answer us
+
+    def next(self, timeout_ms: int = -1) -> Message | None:
+        """The next command for the rank's loop (a memory command comes already
+        applied); None when ``timeout_ms`` passed first."""
+        if self.backlog:
+            return self.backlog.popleft()
+        while True:
+            if timeout_ms >= 0 and not self.sub.poll(timeout_ms):
+                return None
+            message = self._read()
+            if message is not None:
+                return message
+
+    def drain(self) -> None:
+        """Apply the memory commands that have arrived; keep the others for later."""
+        while self.sub.poll(0):
+            message = self._read()
+            if message is not None and message[0][Field.KIND] not in Kind.MEMORY:
+                self.backlog.append(message)
+                if message[0][Field.KIND] == Kind.SHUTDOWN:
+                    self.stopping = True
+
+    def wait_for(self, done: Callable[[], bool]) -> None:
+        """Read commands until ``done()`` (checked after each memory command) or a
+        SHUTDOWN arrives.  No deadline of its own: the runner answers whenever it reads
+        its socket, and if it dies, the death watch ends this process."""
+        while not done() and not self.stopping:
+            message = self._read()
+            if message is not None and message[0][Field.KIND] not in Kind.MEMORY:
+                self.backlog.append(message)
+                self.stopping = self.stopping or message[0][Field.KIND] == Kind.SHUTDOWN
+
+    def _read(self) -> Message | None:
+        try:
+            header, body = self.channel.recv(self.sub)
+        except wire.ProtocolError as exc:
+            self.rejected += 1
+            if self.rejected <= 3:  # say it, but never flood the log
+                log.warning("reactor-dist: rejected a message: %s", exc)
+            return None
+        if header[Field.KIND] in Kind.MEMORY:
+            self.on_memory(header)
+        return header, body
+
+
+class RankMemory:
+    """Rank 0's result pool and every rank's mappings of the runner's inputs."""
+
+    def __init__(self, boot: Bootstrap, rank: int,
+                 send: Callable[[dict[str, Any]], None]) -> None:
+        self.boot, self.send = boot, send
+        self.results = Ledger(boot.shm_dir, boot.shm_prefix, f"r{rank}-",
+                              keep_free=boot.keep_free, reclaim=self.starve)
+        prefix = boot.shm_prefix + "."
+        self.inputs = Mapped(lambda name: shm.PrivateView(boot.shm_dir, name),
+                             lambda name: "/" not in name and name.startswith(prefix))
+        self.unchecked: set[str] = set()  # released input views not yet checked for writes
+        self.inbox: Inbox | None = None  # set once connected
+        self.call_seq = 0  # the call running now (for STARVED)
+        self.rounds = 0  # STARVED rounds asked; ``answered`` the last one answered
+        self.answered = 0
+
+    # -- commands --------------------------------------------------------------------
+    def apply(self, header: dict[str, Any]) -> None:
+        """The RELEASED (ours, let go by the caller) and RETIRED (the runner's inputs,
+        unlinked) fields of a command."""
+        for name in header.get(Field.RELEASED) or ():
+            if isinstance(name, str):
+                self.results.release(name, CALLER)
+        retired = header.get(Field.RETIRED)
+        if retired:
+            self.inputs.unmap(retired)
+
+    def on_memory(self, header: dict[str, Any]) -> None:
+        """A RELEASE or RECLAIM command, whenever it is read."""
+        self.apply(header)
+        round_ = header.get(Field.ROUND)
+        if header[Field.KIND] == Kind.RECLAIM:
+            self.send({Field.KIND: Kind.RECLAIMED, Field.SEQ: 0, Field.ROUND: round_,
+                       Field.RETIRED: self.results.retire_idle()})
+        elif isinstance(round_, int) and round_ > self.answered:
+            self.answered = round_  # the runner's answer to our STARVED
+
+    def starve(self, nbytes: int) -> None:
+        """Our own idle segments are gone and ``nbytes`` still do not fit: take the
+        releases already sent, else ask the runner (STARVED) and wait for its answer."""
+        assert self.inbox is not None
+        self.inbox.drain()
+        if self.inbox.stopping or self.results.fits(nbytes):
+            return
+        self.rounds += 1
+        self.send({Field.KIND: Kind.STARVED, Field.SEQ: self.call_seq, Field.ROUND: self.rounds,
+                   Field.NBYTES: nbytes, Field.RETIRED: self.results.take_retired()})
+        self.inbox.wait_for(lambda: self.answered >= self.rounds)
+
+    def trim(self) -> None:
+        """Nobody called for IDLE_RETURN seconds: every idle segment goes back."""
+        retired = self.results.retire_idle()
+        if retired:
+            self.send({Field.KIND: Kind.TRIMMED, Field.SEQ: 0, Field.RETIRED: retired})
+
+    def idle_wait_ms(self) -> int:
+        """How long the rank's loop waits for a command before trimming (-1: for ever)."""
+        return int(IDLE_RETURN * 1000) if self.results.has_idle() else -1
+
+    # -- inputs and results ----------------------------------------------------------
+    def check_written_views(self) -> None:
+        """Drop mappings this rank wrote to; runs after the reply, off the caller's clock."""
+        while self.unchecked:
+            name = self.unchecked.pop()
+            view = self.inputs.views.get(name)
+            if view is not None and view.written():
+                self.inputs.unmap([name])
+
+    def input_base(self, name: str) -> np.ndarray:
+        self.check_written_views()
+        return self.inputs.base(name)
+
+    def shared_empty(self, shape: Any, dtype: Any) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        if not self.boot.shared_memory:  # the result travels in-band anyway
+            return np.empty(shape, dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        seg = self.results.acquire(max(nbytes, 1), f"shared_empty({shape}, {dtype})",
+                                   holders=[WORKER])
+        base = np.frombuffer(seg.mm, np.uint8)
+        weakref.finalize(base, self.results.release, seg.name, WORKER)
+        return base[:nbytes].view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        self.inputs.close()
+        self.results.close()
