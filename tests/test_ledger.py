@@ -135,3 +135,45 @@ def test_mapped_segments_queue_a_release_when_their_arrays_are_collected(ledger,
     finally:
         mapped.close()
 
+
+
+def test_a_full_filesystem_asks_the_other_side_after_its_own_idle_segments(tmp_path,
+                                                                           monkeypatch):
+    """reclaim: called once our idle ones are retired (told with it), and what the
+    other side let go meanwhile is used: an idle segment that now fits."""
+    monkeypatch.setenv(shm.LIMIT_ENV, str(3 * GRANULE))
+    asked: list[tuple[int, list[str]]] = []
+
+    def reclaim(nbytes: int) -> None:
+        asked.append((nbytes, book.take_retired()))
+        book.release(held.name, "peer")  # the peer lets go while we wait
+
+    book = Ledger(str(tmp_path), shm.new_runner_prefix(), "t", keep_free=2, reclaim=reclaim)
+    try:
+        small = book.acquire(GRANULE, "test", holders=["h"])
+        book.release(small.name, "h")
+        held = book.acquire(2 * GRANULE, "test", holders=["peer"])
+        again = book.acquire(2 * GRANULE, "test", holders=["h"])  # does not fit: reclaim
+        assert asked == [(2 * GRANULE, [small.name])]
+        assert again.name == held.name  # the segment the peer let go meanwhile
+        with pytest.raises(SharedSlotAllocationFailed, match="cannot allocate 3.0 MiB"):
+            book.acquire(3 * GRANULE, "the test payload", holders=["h"])
+        assert len(asked) == 2  # asked once more before the error
+    finally:
+        book.close()
+
+
+def test_a_mapping_nobody_views_is_dropped_when_idle(ledger, tmp_path):
+    seg = ledger.acquire(100, "test", holders=["caller"])
+    mapped = Mapped(lambda name: shm.Segment.open(str(tmp_path), name),
+                    lambda name: name.startswith(ledger.prefix + "."))
+    try:
+        base = mapped.base(seg.name)
+        mapped.unmap_unused()
+        assert list(mapped.views) == [seg.name]  # still viewed
+        del base
+        gc.collect()
+        mapped.unmap_unused()
+        assert mapped.views == {} and mapped.take_released() == [seg.name]
+    finally:
+        mapped.close()
