@@ -125,8 +125,8 @@ class CallPath:
                 descriptors, body, _ = transfer.encode(
                     value, self.inputs, "the input of generate()", holders=range(self.world_size),
                     inline_limit=self.inline_limit)
-            except shm.SharedSlotAllocationFailed:
-                raise
+            except (shm.SharedSlotAllocationFailed, WorkerCrashed, WorkerTimeout):
+                raise  # (a rank that died during a reclaim round)
             except Exception as exc:
                 raise TypeError(
                     f"the input of generate() cannot be pickled ({type(exc).__name__}: {exc}); "

@@ -8,6 +8,7 @@ Life of a rank (messages in :mod:`reactor_dist.protocol`)::
     Kind.PING  -> Kind.PONG        (handshake: proves our subscription is live)
     Kind.INIT  -> Kind.READY       (set device, form the torch.distributed group, load())
     Kind.CALL  -> Kind.REPLY       (generate/reset; rank 0 alone sends the result payload)
+    Kind.RELEASE, Kind.RECLAIM     (shared memory back: also read mid-call, rank_memory.py)
     Kind.SHUTDOWN -> exit
 
 The secret never appears in argv or the environment.  Every command is
