@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 import zmq
 
-from . import shm, wire
+from . import shm, timeouts, wire
 from .protocol import IPC_DIR_PREFIX, OWNER_LOCK, Field, Kind, ipc_dir_owner
 
 # A wait may end this much before or after its deadline: a call's second receive then
@@ -149,6 +149,7 @@ class Bus:
     def receive(self, wait_ms: int) -> tuple[dict, list] | None:
         """The next message if it is an authentic reply or death notice; None when
         ``wait_ms`` (-1: no limit) passed first or the message is not ours."""
+        wait_ms = min(wait_ms, timeouts.SLICE_MS)  # RCVTIMEO is a C int: the caller loops on
         want = wait_ms if wait_ms >= 0 else FOREVER_MS
         have = self._pull_timeout if self._pull_timeout >= 0 else FOREVER_MS
         if abs(want - have) > TIMEOUT_SLACK_MS:  # most calls keep the last setting

@@ -35,6 +35,7 @@ from .placement import check_ray_options
 from .protocol import Method
 from .shm import DEFAULT_DIR
 from .stream import Stream
+from .timeouts import check_grace, check_timeout, slice_of
 from .timings import CallTimings, Recorder, Stats
 from .transport import Transport
 from .validation import (
@@ -48,14 +49,6 @@ from .validation import (
 NEW, READY, UNUSABLE, CLOSED = "new", "ready", "unusable", "closed"
 log = logging.getLogger("reactor_dist")
 _warned_auto_cpu = False
-
-
-def _check_timeout(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
-    return float(value)
 
 
 def _close(transport: Transport, state: list[str]) -> None:
@@ -104,8 +97,8 @@ class DistributedRunner:
         check_methods(worker_cls)
         where = locate(worker_cls)
         kwargs = check_load_kwargs(load_kwargs)
-        self.call_timeout = _check_timeout("call_timeout", call_timeout)
-        self.start_timeout = _check_timeout("start_timeout", start_timeout)
+        self.call_timeout = check_timeout("call_timeout", call_timeout)
+        self.start_timeout = check_timeout("start_timeout", start_timeout)
         if rank_output not in OUTPUT_MODES:
             raise ValueError(f"rank_output must be 'stderr' or 'log', got {rank_output!r}")
         if device not in ("auto", "cpu", "cuda"):
@@ -133,8 +126,8 @@ class DistributedRunner:
             init_process_group=bool(init_process_group), device=device, gpus=gpus, env=env,
             launch_prefix=[str(p) for p in launch_prefix], shm_dir=shm_dir,
             keep_free=keep_free_segments,
-            start_timeout=self.start_timeout or 365 * 24 * 3600.0,
-            shutdown_grace=shutdown_grace, rank_output=rank_output, ray=ray)
+            start_timeout=self.start_timeout,
+            shutdown_grace=check_grace(shutdown_grace), rank_output=rank_output, ray=ray)
         self._state = [NEW]  # a list, shared with the finalizer
         self._failure: BaseException | None = None
         self._lock = threading.RLock()
@@ -192,7 +185,7 @@ class DistributedRunner:
                 raise RuntimeError("a DistributedRunner starts once; build a new one to restart")
             self._state[0] = UNUSABLE  # until proven otherwise
             try:
-                self._transport.start(self.start_timeout or 365 * 24 * 3600.0)
+                self._transport.start(self.start_timeout)
             except BaseException as exc:
                 self._failure = exc
                 self._transport.close(graceful=False)
@@ -225,7 +218,7 @@ class DistributedRunner:
 
         ``timeout`` bounds the wait for each next item and for the end of the step.
         Leaving early lets the step finish on every rank and drops the rest unread."""
-        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
+        timeout = self.call_timeout if timeout is ... else check_timeout("timeout", timeout)
         with self._lock:
             stream = Stream(self, self._send(Method.GENERATE, input, timeout))
             self._open = weakref.ref(stream)
@@ -239,7 +232,7 @@ class DistributedRunner:
         """Wait until the ranks finished every interrupted call (Ctrl-C during a call
         leaves them running it): True once idle, False when ``timeout`` (default
         ``call_timeout``, None: no limit) ran out first; the runner stays usable either way."""
-        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
+        timeout = self.call_timeout if timeout is ... else check_timeout("timeout", timeout)
         with self._lock:
             if self._state[0] != READY:
                 self._check_usable()  # raises
@@ -257,18 +250,18 @@ class DistributedRunner:
     async def agenerate(self, input: Any, /, *,
                         timeout: float | None | EllipsisType = ...) -> Any:
         """:meth:`generate` for a task: the loop never blocks, tasks take turns in order."""
-        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
+        timeout = self.call_timeout if timeout is ... else check_timeout("timeout", timeout)
         return await aio.call(self, Method.GENERATE, input, timeout)
 
     async def areset(self, *, timeout: float | None | EllipsisType = ...) -> None:
         """:meth:`reset` for a task."""
-        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
+        timeout = self.call_timeout if timeout is ... else check_timeout("timeout", timeout)
         await aio.call(self, Method.RESET, None, timeout)
 
     def astream(self, input: Any, /, *,
                 timeout: float | None | EllipsisType = ...) -> aio.AsyncStream:
         """:meth:`stream` for ``async for``; the call starts at the first item awaited."""
-        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
+        timeout = self.call_timeout if timeout is ... else check_timeout("timeout", timeout)
         return aio.AsyncStream(self, input, timeout)
 
     async def ashutdown(self) -> None:
@@ -309,7 +302,7 @@ class DistributedRunner:
 
     # -- one call ---------------------------------------------------------------------------
     def _call(self, method: str, value: Any, timeout: Any) -> Any:
-        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
+        timeout = self.call_timeout if timeout is ... else check_timeout("timeout", timeout)
         with self._lock:
             pending = self._send(method, value, timeout)
             try:
@@ -357,7 +350,7 @@ class DistributedRunner:
                 raise TimeoutError(
                     f"{what} is still open in another thread after {timeout:g} s: this call "
                     f"waited for it and gave up (nothing was sent; the runner stays healthy)")
-            self._turn.wait(left)
+            self._turn.wait(slice_of(left))  # then loops: Condition.wait has a maximum
         if self._state[0] != READY:
             self._check_usable()  # raises
         try:
