@@ -87,9 +87,16 @@ class Bus:
     but for :meth:`tell_death`, which the death watch's thread calls."""
 
     def __init__(self, secret: bytes, ipc_dir: str, world_size: int) -> None:
+        self.ctx = zmq.Context()
+        try:
+            self._open(secret, ipc_dir, world_size)
+        except BaseException:  # out of descriptors, say: give back what was taken
+            self.ctx.destroy(linger=0)  # closes the sockets made so far
+            raise
+
+    def _open(self, secret: bytes, ipc_dir: str, world_size: int) -> None:
         self.secret, self.world_size = secret, world_size
         self.channel = wire.Channel(secret)
-        self.ctx = zmq.Context()
         self.pub = wire.bounded(self.ctx.socket(zmq.PUB))
         # One call at a time keeps each rank's queue a few messages deep; the bound only
         # stops a stray subscriber that never reads from growing our memory.

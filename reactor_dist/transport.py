@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from . import shm, timeouts, transfer, wire
+from . import descriptors, shm, timeouts, transfer, wire
 from .bus import Bus, private_dir, reclaim_dead_ipc_dirs
 from .calls import CallPath, Replies
 from .errors import (
@@ -96,6 +96,7 @@ class Transport(CallPath):
         """Spawn every rank, handshake, form the group, load(); raises what load() raised
         (``timeout`` None: no limit)."""
         deadline = timeouts.deadline_of(timeout)
+        descriptors.check_room(self.world_size)  # libzmq aborts the process when it runs out
         self._owner_lock = shm.hold_owner_lock(self.shm_dir, self.shm_prefix)
         shm.reclaim_dead_owners(self.shm_dir)
         reclaim_dead_ipc_dirs()
