@@ -35,7 +35,8 @@ from .placement import check_ray_options
 from .protocol import Method
 from .shm import DEFAULT_DIR
 from .stream import Stream
-from .timeouts import check_grace, check_timeout, slice_of
+from .timeouts import check_grace, slice_of
+from .timeouts import check_timeout as _check_timeout
 from .timings import CallTimings, Recorder, Stats
 from .transport import Transport
 from .validation import (
@@ -97,8 +98,8 @@ class DistributedRunner:
         check_methods(worker_cls)
         where = locate(worker_cls)
         kwargs = check_load_kwargs(load_kwargs)
-        self.call_timeout = check_timeout("call_timeout", call_timeout)
-        self.start_timeout = check_timeout("start_timeout", start_timeout)
+        self.call_timeout = _check_timeout("call_timeout", call_timeout)
+        self.start_timeout = _check_timeout("start_timeout", start_timeout)
         if rank_output not in OUTPUT_MODES:
             raise ValueError(f"rank_output must be 'stderr' or 'log', got {rank_output!r}")
         if device not in ("auto", "cpu", "cuda"):
@@ -218,7 +219,7 @@ class DistributedRunner:
 
         ``timeout`` bounds the wait for each next item and for the end of the step.
         Leaving early lets the step finish on every rank and drops the rest unread."""
-        timeout = self.call_timeout if timeout is ... else check_timeout("timeout", timeout)
+        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
         with self._lock:
             stream = Stream(self, self._send(Method.GENERATE, input, timeout))
             self._open = weakref.ref(stream)
@@ -232,7 +233,7 @@ class DistributedRunner:
         """Wait until the ranks finished every interrupted call (Ctrl-C during a call
         leaves them running it): True once idle, False when ``timeout`` (default
         ``call_timeout``, None: no limit) ran out first; the runner stays usable either way."""
-        timeout = self.call_timeout if timeout is ... else check_timeout("timeout", timeout)
+        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
         with self._lock:
             if self._state[0] != READY:
                 self._check_usable()  # raises
@@ -250,18 +251,18 @@ class DistributedRunner:
     async def agenerate(self, input: Any, /, *,
                         timeout: float | None | EllipsisType = ...) -> Any:
         """:meth:`generate` for a task: the loop never blocks, tasks take turns in order."""
-        timeout = self.call_timeout if timeout is ... else check_timeout("timeout", timeout)
+        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
         return await aio.call(self, Method.GENERATE, input, timeout)
 
     async def areset(self, *, timeout: float | None | EllipsisType = ...) -> None:
         """:meth:`reset` for a task."""
-        timeout = self.call_timeout if timeout is ... else check_timeout("timeout", timeout)
+        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
         await aio.call(self, Method.RESET, None, timeout)
 
     def astream(self, input: Any, /, *,
                 timeout: float | None | EllipsisType = ...) -> aio.AsyncStream:
         """:meth:`stream` for ``async for``; the call starts at the first item awaited."""
-        timeout = self.call_timeout if timeout is ... else check_timeout("timeout", timeout)
+        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
         return aio.AsyncStream(self, input, timeout)
 
     async def ashutdown(self) -> None:
@@ -302,7 +303,7 @@ class DistributedRunner:
 
     # -- one call ---------------------------------------------------------------------------
     def _call(self, method: str, value: Any, timeout: Any) -> Any:
-        timeout = self.call_timeout if timeout is ... else check_timeout("timeout", timeout)
+        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
         with self._lock:
             pending = self._send(method, value, timeout)
             try:
