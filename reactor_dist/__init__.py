@@ -8,6 +8,7 @@ as the exceptions below (never as a hang).
 """
 
 from .errors import (
+    FileLimitTooLow,
     MainGuardMissing,
     PlacementFailed,
     RankDesync,
@@ -24,6 +25,7 @@ from .worker import DistributedWorker, share_cpu_cores
 __all__ = [
     "DistributedRunner",
     "DistributedWorker",
+    "FileLimitTooLow",
     "MainGuardMissing",
     "PlacementFailed",
     "RankDesync",

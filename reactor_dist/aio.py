@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from . import timeouts
 from .calls import PendingCall
 from .errors import WorkerCrashed, WorkerTimeout
 from .outcome import judge
@@ -57,7 +58,8 @@ class Readable:
         """Until a message may be there, or ``timeout`` seconds passed (the caller has
         just seen that none is)."""
         self.woken = woken = self.loop.create_future()
-        timer = None if timeout is None else self.loop.call_later(timeout, self._wake)
+        timer = None if timeout is None else \
+            self.loop.call_later(timeouts.slice_of(timeout), self._wake)  # the caller loops on
         try:
             await woken
         finally:

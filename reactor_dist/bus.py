@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 import zmq
 
-from . import shm, wire
+from . import shm, timeouts, wire
 from .protocol import IPC_DIR_PREFIX, OWNER_LOCK, Field, Kind, ipc_dir_owner
 
 # A wait may end this much before or after its deadline: a call's second receive then
@@ -88,9 +88,16 @@ class Bus:
     but for :meth:`tell_death`, which the death watch's thread calls."""
 
     def __init__(self, secret: bytes, ipc_dir: str, world_size: int) -> None:
+        self.ctx = zmq.Context()
+        try:
+            self._open(secret, ipc_dir, world_size)
+        except BaseException:  # out of descriptors, say: give back what was taken
+            self.ctx.destroy(linger=0)  # closes the sockets made so far
+            raise
+
+    def _open(self, secret: bytes, ipc_dir: str, world_size: int) -> None:
         self.secret, self.world_size = secret, world_size
         self.channel = wire.Channel(secret)
-        self.ctx = zmq.Context()
         self.pub = wire.bounded(self.ctx.socket(zmq.PUB))
         # One call at a time keeps each rank's queue a few messages deep; the bound only
         # stops a stray subscriber that never reads from growing our memory.
@@ -152,6 +159,7 @@ class Bus:
     def receive(self, wait_ms: int) -> tuple[dict, list] | None:
         """The next message if it is an authentic reply or death notice; None when
         ``wait_ms`` (-1: no limit) passed first or the message is not ours."""
+        wait_ms = min(wait_ms, timeouts.SLICE_MS)  # RCVTIMEO is a C int: the caller loops on
         want = wait_ms if wait_ms >= 0 else FOREVER_MS
         have = self._pull_timeout if self._pull_timeout >= 0 else FOREVER_MS
         if abs(want - have) > TIMEOUT_SLACK_MS:  # most calls keep the last setting

@@ -27,7 +27,7 @@ import collections
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import shm, transfer
+from . import shm, timeouts, transfer
 from .errors import WorkerCrashed, WorkerTimeout, rebuild_exception, type_name
 from .ledger import IDLE_RETURN, Ledger, Mapped
 from .outcome import RETURNED, Outcome
@@ -298,7 +298,7 @@ class CallPath:
         if deadline is None:
             message = self.bus.receive(-1)
         else:
-            message = self.bus.receive(int(max(0.0, deadline - time.monotonic()) * 1000) + 1)
+            message = self.bus.receive(timeouts.wait_ms(deadline - time.monotonic()))
         if message is None:
             if not quiet and deadline is not None and time.monotonic() >= deadline:
                 silent = [r for r in range(self.world_size) if r not in replies]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import shm
+from . import descriptors, shm
 from .worker import DistributedWorker
 
 MiB = 1 << 20
@@ -129,13 +129,19 @@ def limit_text(value: int) -> str:
     return "unlimited" if value == resource.RLIM_INFINITY else str(value)
 
 
-def check_limits(device: str) -> list[Check]:
+def check_limits(device: str, world_size: int) -> list[Check]:
+    """The open files limit (room for world_size ranks in this process, and at least
+    MIN_OPEN_FILES for each rank's own model) and the locked memory limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    files_ok = soft == resource.RLIM_INFINITY or soft >= MIN_OPEN_FILES
+    _, used, allowed = descriptors.room()
+    files_ok = soft == resource.RLIM_INFINITY or (soft >= MIN_OPEN_FILES and
+                                                  (allowed or 0) >= world_size)
+    enough = max(4096, MIN_OPEN_FILES, used + descriptors.needed(world_size))
+    room = "any number of" if allowed is None else str(allowed)
     checks = [Check("open files limit", files_ok,
-                    f"{limit_text(soft)} (hard {limit_text(hard)})",
-                    "" if files_ok else f"ulimit -n {max(4096, MIN_OPEN_FILES)} (docker: "
-                    f"--ulimit nofile=65536)")]
+                    f"{limit_text(soft)} (hard {limit_text(hard)}); {used} in use, room for "
+                    f"{room} ranks ({world_size} asked)",
+                    "" if files_ok else f"ulimit -n {enough} (docker: --ulimit nofile=65536)")]
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     found = f"{limit_text(soft)} bytes (hard {limit_text(hard)})"
     if device == "cpu":
@@ -187,7 +193,7 @@ def run_checks(world_size: int, device: str, frame_bytes: int = FRAME_BYTES,
     checks = [check_shm(shm_dir, frame_bytes)]
     checks += check_gpus(world_size, device)
     checks += check_torch(device)
-    checks += check_limits(device)
+    checks += check_limits(device, world_size)
     checks.append(check_pidfd())
     if smoke_run:
         checks.append(smoke(world_size, device, frame_bytes))

@@ -10,6 +10,7 @@ original type, message and traceback.
 
 from __future__ import annotations
 
+import errno
 import pickle
 import traceback
 
@@ -51,6 +52,16 @@ class SharedSlotAllocationFailed(ReactorDistError, MemoryError):
 class MainGuardMissing(ReactorDistError, RuntimeError):
     """A rank re-ran the user's script and reached a DistributedRunner: the script
     lacks ``if __name__ == "__main__":``.  start() raises it in the caller."""
+
+
+class FileLimitTooLow(ReactorDistError, OSError):
+    """The open files limit (RLIMIT_NOFILE) leaves too little room for the runner's
+    sockets, pipes and segments; start() raises it before anything starts.  Its
+    ``errno`` is EMFILE; the message says the numbers and how to raise the limit."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.errno = errno.EMFILE
 
 
 class PlacementFailed(ReactorDistError, RuntimeError):

@@ -35,6 +35,8 @@ from .placement import check_ray_options
 from .protocol import Method
 from .shm import DEFAULT_DIR
 from .stream import Stream
+from .timeouts import check_grace, slice_of
+from .timeouts import check_timeout as _check_timeout
 from .timings import CallTimings, Recorder, Stats
 from .transport import Transport
 from .validation import (
@@ -48,14 +50,6 @@ from .validation import (
 NEW, READY, UNUSABLE, CLOSED = "new", "ready", "unusable", "closed"
 log = logging.getLogger("reactor_dist")
 _warned_auto_cpu = False
-
-
-def _check_timeout(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
-    return float(value)
 
 
 def _close(transport: Transport, state: list[str]) -> None:
@@ -133,8 +127,8 @@ class DistributedRunner:
             init_process_group=bool(init_process_group), device=device, gpus=gpus, env=env,
             launch_prefix=[str(p) for p in launch_prefix], shm_dir=shm_dir,
             keep_free=keep_free_segments,
-            start_timeout=self.start_timeout or 365 * 24 * 3600.0,
-            shutdown_grace=shutdown_grace, rank_output=rank_output, ray=ray)
+            start_timeout=self.start_timeout,
+            shutdown_grace=check_grace(shutdown_grace), rank_output=rank_output, ray=ray)
         self._state = [NEW]  # a list, shared with the finalizer
         self._failure: BaseException | None = None
         self._lock = threading.RLock()
@@ -192,7 +186,7 @@ class DistributedRunner:
                 raise RuntimeError("a DistributedRunner starts once; build a new one to restart")
             self._state[0] = UNUSABLE  # until proven otherwise
             try:
-                self._transport.start(self.start_timeout or 365 * 24 * 3600.0)
+                self._transport.start(self.start_timeout)
             except BaseException as exc:
                 self._failure = exc
                 self._transport.close(graceful=False)
@@ -357,7 +351,7 @@ class DistributedRunner:
                 raise TimeoutError(
                     f"{what} is still open in another thread after {timeout:g} s: this call "
                     f"waited for it and gave up (nothing was sent; the runner stays healthy)")
-            self._turn.wait(left)
+            self._turn.wait(slice_of(left))  # then loops: Condition.wait has a maximum
         if self._state[0] != READY:
             self._check_usable()  # raises
         try:

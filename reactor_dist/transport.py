@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from . import shm, transfer, wire
+from . import descriptors, shm, timeouts, transfer, wire
 from .bus import Bus, private_dir, reclaim_dead_ipc_dirs
 from .calls import CallPath, Replies
 from .errors import (
@@ -59,7 +59,7 @@ class Transport(CallPath):
     def __init__(self, *, worker: WorkerRef, world_size: int, load_kwargs: dict[str, Any],
                  init_process_group: bool, device: str, gpus: list[int] | None,
                  env: dict[str, str], launch_prefix: list[str], shm_dir: str,
-                 keep_free: int, start_timeout: float, shutdown_grace: float,
+                 keep_free: int, start_timeout: float | None, shutdown_grace: float,
                  rank_output: str = "stderr", ray: RaySpec | None = None) -> None:
         self.world_size = world_size
         self.rank_output = rank_output
@@ -95,9 +95,11 @@ class Transport(CallPath):
         return "/" not in name and name.startswith(self.shm_prefix + ".")
 
     # -- start ---------------------------------------------------------------------------
-    def start(self, timeout: float) -> None:
-        """Spawn every rank, handshake, form the group, load(); raises what load() raised."""
-        deadline = time.monotonic() + timeout
+    def start(self, timeout: float | None) -> None:
+        """Spawn every rank, handshake, form the group, load(); raises what load() raised
+        (``timeout`` None: no limit)."""
+        deadline = timeouts.deadline_of(timeout)
+        descriptors.check_room(self.world_size)  # libzmq aborts the process when it runs out
         self._owner_lock = shm.hold_owner_lock(self.shm_dir, self.shm_prefix)
         shm.reclaim_dead_owners(self.shm_dir)
         reclaim_dead_ipc_dirs()
@@ -113,7 +115,7 @@ class Transport(CallPath):
         finally:
             self.display.close()
 
-    def start_ranks(self, deadline: float, timeout: float) -> None:
+    def start_ranks(self, deadline: float, timeout: float | None) -> None:
         assert self.ranks is not None and self.bus is not None
         # For models that form their own group (init_process_group=False): one port for
         # all ranks. With our group, rank 0's store binds port 0 and Kind.INIT carries its port.
@@ -164,7 +166,8 @@ class Transport(CallPath):
         another node than this one gets the bus over TCP (CurveZMQ) and in-band payloads."""
         assert self.bus is not None and self.ranks is not None and self._ray is not None
         group = self.placement = RayGroup(self.world_size, self._ray, self._device)
-        group.reserve(max(deadline - time.monotonic(), 0.01), self._start_timeout)
+        group.reserve(timeouts.for_library(max(deadline - time.monotonic(), 0.01)),
+                      timeouts.for_library(self._start_timeout))
         remote: dict[str, Any] = {}
         if group.spans_nodes:
             cmd, reply, server = self.bus.open_tcp(group.address, group.remote_keys())
@@ -181,7 +184,7 @@ class Transport(CallPath):
         group.watch(self.ranks.watch.notice)
         bounds = {MAX_FRAME_ENV: str(wire.MAX_FRAME), MAX_MESSAGE_ENV: str(wire.MAX_MESSAGE)}
         group.launch(boots, {**bounds, **self._env}, self._launch_prefix,
-                     max(deadline - time.monotonic(), 0.01))
+                     timeouts.for_library(max(deadline - time.monotonic(), 0.01)))
 
     def _bootstrap(self, rank: int, **placed: Any) -> Bootstrap:
         """Rank ``rank``'s bootstrap; ``placed``: a Ray-placed rank's own fields."""
@@ -192,7 +195,7 @@ class Transport(CallPath):
             runner_pid=os.getpid(), shm_dir=self.shm_dir, shm_prefix=self.shm_prefix,
             worker=self._worker, load_kwargs=self._load_kwargs,
             init_process_group=self._init_process_group, device=self._device,
-            start_timeout=self._start_timeout, keep_free=self._keep_free,
+            start_timeout=timeouts.for_library(self._start_timeout), keep_free=self._keep_free,
             sys_path=list(sys.path))
         return Bootstrap(**{**fields, **placed})
 
@@ -202,7 +205,7 @@ class Transport(CallPath):
         self.ranks.spawn(rank, boot.to_bytes(), master_port=master_port, env=self._env,
                          gpus=self._gpus, launch_prefix=self._launch_prefix)
 
-    def handshake(self, kind: str, timeout: float, stated_timeout: float,
+    def handshake(self, kind: str, timeout: float, stated_timeout: float | None,
                   ping: Callable[[], None] | None = None, first_error: bool = False) -> Replies:
         """Start-up: wait for ``kind`` from every rank, ``ping`` repeated every PING_EVERY;
         with ``first_error`` a RAISED answer ends the wait at once (a failed load() makes
@@ -218,7 +221,7 @@ class Transport(CallPath):
                 silent = [r for r in range(self.world_size) if r not in replies]
                 raise self.timed_out(silent, stated_timeout, "start()", replies)
             wait = min(left, PING_EVERY) if ping is not None else left
-            message = self.bus.receive(int(wait * 1000) + 1)
+            message = self.bus.receive(timeouts.wait_ms(wait))
             if message is None:
                 continue
             header, rank = message[0], message[0][Field.RANK]
@@ -276,7 +279,7 @@ class Transport(CallPath):
                 grace = self.shutdown_grace
             self.ranks.end(grace)
             if self.placement is not None:
-                self.placement.close(grace)
+                self.placement.close(timeouts.for_library(grace))
                 self.placement = None
             log.info("shut down %d rank%s (%s)", len(procs), "s" if len(procs) != 1 else "",
                      "gracefully" if grace else "without grace")
