@@ -102,6 +102,11 @@ class Probe:
         """The CurveZMQ public key of the bus's TCP endpoints."""
         return self._transport.bus.server_key
 
+    @property
+    def lifeline_address(self) -> tuple[str, int]:
+        """placement="ray": where the runner listens for its hosts' lifelines."""
+        return self._transport.placement.lifeline.getsockname()[:2]
+
     def cut_lifelines(self) -> None:
         """Close the runner's end of every host's lifeline (as its death would)."""
         group = self._transport.placement
