@@ -111,6 +111,8 @@ class RankOutput:
     def _late(self, line: str, header: bool) -> bool:
         """Whether ``line`` belongs to a dump owed since a timeout: from its first thread
         header to the first line that no dump has (not a header, blank or indented)."""
+        if line.startswith("Fatal Python error"):
+            self.late_dump_owed = False  # the dump that follows is a crash's: shown
         if self._in_late_dump:
             self._in_late_dump = header or not line.strip() or line.startswith("  ")
             return self._in_late_dump

@@ -14,6 +14,7 @@ from probe import Probe
 from sample_workers import Echo, LateStacks, Say
 
 from reactor_dist import DistributedRunner, WorkerTimeout
+from reactor_dist.output import RankOutput
 
 
 def runner(**options) -> DistributedRunner:
@@ -88,3 +89,31 @@ def test_shutdown_ends_a_stopped_rank_without_waiting_out_a_grace(state, caplog)
     if state == "healthy":
         assert f"rank 1 (pid {procs[1].pid}) is stopped: ending it without grace" \
             in caplog.text
+
+
+def forwarded(lines: list[str], capfd) -> list[str]:
+    """What a rank's output pump that owes a late dump prints of ``lines`` (a real pipe)."""
+    read, write = os.pipe()
+    output = RankOutput(1, read)
+    output.late_dump_owed = True
+    os.write(write, "".join(f"{line}\n" for line in lines).encode())
+    os.close(write)
+    output.join(timeout=10)
+    os.close(read)
+    return capfd.readouterr().err.splitlines()
+
+
+LATE_DUMP = ["Thread 0x00007f0000000001 (most recent call first):",
+             '  File "late.py", line 1 in wait', "",
+             "Current thread 0x00007f0000000002 (most recent call first):",
+             '  File "late.py", line 2 in run']
+CRASH = ["Fatal Python error: Segmentation fault", "",
+         "Current thread 0x00007f0000000003 (most recent call first):",
+         '  File "crash.py", line 3 in run']
+
+
+def test_an_owed_dump_is_dropped_up_to_its_end_and_a_crash_dump_is_still_shown(capfd):
+    assert forwarded(["before", *LATE_DUMP, "after"], capfd) == [
+        "[rank 1] before", "[rank 1] after"]
+    assert forwarded(["before", *CRASH], capfd) == [
+        "[rank 1] before", *(f"[rank 1] {line}" for line in CRASH)]
