@@ -110,4 +110,6 @@ class RankHost:
         lifeline, self._lifeline = self._lifeline, None
         self.ranks.end(grace)
         if lifeline is not None:
+            with contextlib.suppress(OSError):  # ends hold()'s recv (a close would not)
+                lifeline.shutdown(socket.SHUT_RDWR)
             lifeline.close()

@@ -4,6 +4,11 @@ Both streams share one pipe.  A reader thread forwards each line to the
 application's stderr, prefixed ``[rank N]`` (or, with ``rank_output="log"``, as an
 INFO record of the ``reactor_dist.rank`` logger, with a ``rank`` attribute), and
 keeps the last :data:`TAIL_LINES` for crash and timeout reports.
+
+A faulthandler dump the runner asked for on a timeout (reactor_dist.stacks) is shown
+in the error alone: muted while the runner waits for it, and, when it comes after the
+error was raised (the rank was stopped, or stuck in the kernel), dropped to a DEBUG
+record rather than printed on the caller's stderr long after the fact.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import collections
 import fcntl
 import logging
 import os
+import re
 import select
 import struct
 import sys
@@ -22,6 +28,9 @@ import time
 TAIL_LINES = 200  # enough for a faulthandler dump of every thread
 OUTPUT_MODES = ("stderr", "log")  # where a rank's lines go (DistributedRunner rank_output=)
 rank_log = logging.getLogger("reactor_dist.rank")
+log = logging.getLogger("reactor_dist")
+# The first line of each thread's block in a faulthandler dump.
+DUMP_HEADER = re.compile(r"(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$")
 
 
 class RankOutput:
@@ -34,6 +43,9 @@ class RankOutput:
         self.lines_seen = 0
         self.last_output = 0.0  # monotonic time of the latest line
         self.muted = False  # kept, not forwarded (a stack dump the caller's error shows)
+        self.dump_headers = 0  # faulthandler thread headers seen (reactor_dist.stacks waits)
+        self.late_dump_owed = False  # asked for stacks, none came in time: drop them
+        self._in_late_dump = False
         self._partial = b""
         self._lock = threading.Lock()
         self._fd = fd
@@ -78,7 +90,14 @@ class RankOutput:
         self.tail.append(line)
         self.lines_seen += 1
         self.last_output = time.monotonic()
+        header = DUMP_HEADER.match(line) is not None
+        if header:
+            self.dump_headers += 1
         if self.muted:
+            return
+        if self._late(line, header):
+            log.debug("[rank %d] (a stack dump that came after its timeout, not shown) %s",
+                      self.rank, line)
             return
         if self.to_log:
             rank_log.info("[rank %d] %s", self.rank, line, extra={"rank": self.rank})
@@ -88,6 +107,18 @@ class RankOutput:
             sys.stderr.flush()
         except Exception:
             pass  # a closed stderr must not kill the pump
+
+    def _late(self, line: str, header: bool) -> bool:
+        """Whether ``line`` belongs to a dump owed since a timeout: from its first thread
+        header to the first line that no dump has (not a header, blank or indented)."""
+        if line.startswith("Fatal Python error"):
+            self.late_dump_owed = False  # the dump that follows is a crash's: shown
+        if self._in_late_dump:
+            self._in_late_dump = header or not line.strip() or line.startswith("  ")
+            return self._in_late_dump
+        if header and self.late_dump_owed:
+            self.late_dump_owed, self._in_late_dump = False, True
+        return self._in_late_dump
 
     def _pending_bytes(self) -> int:
         try:

@@ -120,6 +120,7 @@ class RayGroup:
         self.lifeline: socket.socket | None = None
         self._held: list[socket.socket] = []
         self._closing = threading.Event()
+        self._threads: list[threading.Thread] = []  # the lifeline's and the watch's
 
     # -- reserve ---------------------------------------------------------------------
     def reserve(self, timeout: float, stated: float) -> None:
@@ -254,15 +255,21 @@ class RayGroup:
         """A TCP listener every host holds a connection to: when this process dies the
         kernel closes it, and the hosts end their ranks and themselves at once, however
         long Ray takes to notice (host.RankHost._hold)."""
-        self.lifeline = socket.create_server((self.address, 0), backlog=64)
+        listener = self.lifeline = socket.create_server((self.address, 0), backlog=64)
 
         def accept() -> None:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # close(): shut down, accept() fails
                 while True:
-                    self._held.append(self.lifeline.accept()[0])
+                    self._held.append(listener.accept()[0])
 
-        threading.Thread(target=accept, name="reactor-dist-lifeline", daemon=True).start()
-        return self.lifeline.getsockname()[:2]
+        self._start_thread(accept, "reactor-dist-lifeline")
+        return listener.getsockname()[:2]
+
+    def _start_thread(self, target: Callable[[], None], name: str) -> None:
+        """A thread of this group: close() ends and joins it."""
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     def watch(self, notice: Callable[[list[int]], None]) -> None:
         """A thread that reports each rank's death (or its host's) to ``notice``."""
@@ -291,12 +298,13 @@ class RayGroup:
                     if not self._closing.is_set():
                         notice([hosted.rank])
 
-        threading.Thread(target=run, name="reactor-dist-ray-watch", daemon=True).start()
+        self._start_thread(run, "reactor-dist-ray-watch")
 
     # -- end ------------------------------------------------------------------------
     def close(self, grace: float) -> None:
         """Every rank ended (``grace`` seconds to exit first), every host killed, the
-        placement group removed; safe in any state.  Where Ray has already shut down
+        placement group removed, the lifeline and its connections closed, every thread
+        of the group ended; safe in any state.  Where Ray has already shut down
         (its atexit hook ran first), Ray has ended the hosts as their owner left, and
         each rank ends with its host."""
         self._closing.set()
@@ -306,10 +314,17 @@ class RayGroup:
         except Exception as exc:  # never let cleanup stop the rest of the cleanup
             log.warning("ending the Ray-placed ranks: %s: %s", type(exc).__name__, exc)
         self.ranks, self.group = [], None
-        for sock in [*self._held, *([self.lifeline] if self.lifeline else [])]:
+        if self.lifeline is not None:
+            with contextlib.suppress(OSError):  # wakes the accept() a close() would not
+                self.lifeline.shutdown(socket.SHUT_RDWR)
+            self.lifeline.close()
+        for thread in self._threads:  # the watch leaves within its 0.25 s wait
+            if thread is not threading.current_thread():
+                thread.join(timeout=5.0)
+        for sock in self._held:
             with contextlib.suppress(OSError):
                 sock.close()
-        self._held, self.lifeline = [], None
+        self._held, self.lifeline, self._threads = [], None, []
 
     def _end_hosts(self, grace: float) -> None:
         ray = self.ray

@@ -16,8 +16,8 @@ would.  Where a pidfd cannot be had it checks those ranks every 20 ms instead.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-import re
 import select
 import signal
 import socket
@@ -30,6 +30,7 @@ from typing import Any
 
 import psutil
 
+from . import stacks
 from .output import RankOutput
 from .protocol import MARK_ENV, torchrun_env
 
@@ -43,7 +44,7 @@ SAFE_PATH: list[str] = (["-P", "-m", "reactor_dist.rank"] if sys.version_info >=
                         ["-c", "import sys; del sys.path[0]; import runpy; "
                                "runpy.run_module('reactor_dist.rank', run_name='__main__')"])
 POLL_MS = 20  # how often the watch checks ranks it has no pidfd for
-STACK_DUMP_WAIT = 0.5
+log = logging.getLogger("reactor_dist")
 
 
 def free_port() -> int:
@@ -274,60 +275,27 @@ class Ranks:
         return "\n".join(self.procs[r].crash_report() for r in dead)
 
     def stacks(self, silent: list[int]) -> str:
-        """Every thread's stack of each silent rank (faulthandler, on SIGUSR1), shown in
-        the caller's error alone (not also forwarded), without the rank's own threads."""
+        """Every thread's stack of each silent rank, or why it has none (reactor_dist.stacks),
+        shown in the caller's error alone (not also forwarded)."""
         # ``silent`` indexes self.procs (a RankHost's one process is its index 0).
         hosted = {i: self.procs[i].stacks_later() for i in silent
                   if self.procs[i].hosted}  # their hosts dump them meanwhile
-        procs = [self.procs[i] for i in silent if i not in hosted]
-        seen = {p.rank: p.output.lines_seen for p in procs}
-        for p in procs:
-            p.output.muted = True
-            with contextlib.suppress(OSError):
-                os.kill(p.launcher_pid, signal.SIGUSR1)
-        # Wait for the dumps: until each silent rank printed and then fell quiet.
-        deadline = time.monotonic() + STACK_DUMP_WAIT
-        while time.monotonic() < deadline:
-            time.sleep(0.01)
-            if all(p.output.lines_seen > seen[p.rank] and
-                   time.monotonic() - p.output.last_output > 0.03 for p in procs):
-                break
-        for p in procs:
-            p.output.muted = False
-        return "\n".join(self.procs[i].stacks_now(hosted[i]) if i in hosted
-                         else dump_of(self.procs[i]) for i in silent)
+        local = iter(stacks.dumps([self.procs[i] for i in silent if i not in hosted]))
+        return "\n".join(self.procs[i].stacks_now(hosted[i]) if i in hosted else next(local)
+                         for i in silent)
 
     def end(self, grace: float) -> None:
-        """Wait up to ``grace`` for a graceful exit, then end every rank for sure."""
+        """Wait up to ``grace`` for a graceful exit, then end every rank for sure.  A
+        stopped rank cannot leave: it gets no grace (end_ranks continues it to end it)."""
         self.watch.close()
         procs = [p for p in self.procs if not p.hosted]  # hosted: placement.RayGroup.close
         if grace > 0:
-            wait_all_exit(procs, grace)
+            stopped = [p for p in procs if stacks.stopped_note(p) is not None]
+            for p in stopped:
+                log.info("rank %d (pid %d) is stopped: ending it without grace", p.rank, p.pid)
+            wait_all_exit([p for p in procs if p not in stopped], grace)
         end_ranks(procs)
         self.procs = []
-
-# The first frame of a rank's own runner-watch thread (rank.watch_runner) in a dump.
-OWN_THREAD = re.compile(r'reactor_dist[/\\]rank\.py", line \d+ in wait$')
-
-
-def dump_of(proc: RankProcess) -> str:
-    """A rank's faulthandler dump, as its output pump saw it."""
-    return f"rank {proc.rank} (pid {proc.pid}), last output:\n" + "\n".join(
-        f"    {line}" for line in without_own_threads(proc.output.last_lines(30)))
-
-
-def without_own_threads(lines: list[str]) -> list[str]:
-    """A faulthandler dump without the blocks of reactor_dist's own threads."""
-    kept: list[str] = []
-    block: list[str] = []
-    for line in [*lines, ""]:
-        if line.strip():
-            block.append(line)
-            continue
-        if not (len(block) > 1 and OWN_THREAD.search(block[1])):
-            kept += block + ([line] if block else [])
-        block = []
-    return kept[:-1] if kept and kept[-1] == "" else kept
 
 
 def wait_all_exit(ranks: list[RankProcess], timeout: float) -> bool:
@@ -367,7 +335,8 @@ def wait_ended(procs: list[psutil.Process], timeout: float) -> None:
 
 
 def end_ranks(ranks: list[RankProcess], term_grace: float = 2.0) -> None:
-    """SIGTERM each rank's process group, SIGKILL what is left, reap everything.
+    """SIGTERM (and SIGCONT) each rank's process group, SIGKILL what is left, reap
+    everything.
 
     Descendants are listed first, so that a grandchild which left the process
     group (setsid) is still found and killed; so are the processes carrying a
@@ -380,6 +349,8 @@ def end_ranks(ranks: list[RankProcess], term_grace: float = 2.0) -> None:
     for r in ranks:
         if r.alive():
             r.signal_group(signal.SIGTERM)
+            # A stopped process acts on SIGTERM only once continued: no grace to wait out.
+            r.signal_group(signal.SIGCONT)
     wait_all_exit(ranks, term_grace)
     for r in ranks:
         r.signal_group(signal.SIGKILL)  # also reaches children of an already-dead rank

@@ -40,6 +40,18 @@ class Probe:
         ranks = self._transport.ranks
         return [p.launcher_pid for p in ranks.procs] if ranks is not None else []
 
+    @property
+    def rank_processes(self) -> list:
+        """The ranks' processes.RankProcess handles: their ``popen.returncode`` (the exit
+        status) stays readable after shutdown(); [] once ended."""
+        ranks = self._transport.ranks
+        return list(ranks.procs) if ranks is not None else []
+
+    def output_lines(self, rank: int) -> list[str]:
+        """The last lines rank ``rank`` wrote, as its output pump kept them (also the
+        lines it did not forward)."""
+        return self._transport.ranks.procs[rank].output.last_lines(200)
+
     def processes(self) -> list[int]:
         """Every rank and every process under it."""
         pids = []
@@ -89,6 +101,11 @@ class Probe:
     def server_key(self) -> bytes:
         """The CurveZMQ public key of the bus's TCP endpoints."""
         return self._transport.bus.server_key
+
+    @property
+    def lifeline_address(self) -> tuple[str, int]:
+        """placement="ray": where the runner listens for its hosts' lifelines."""
+        return self._transport.placement.lifeline.getsockname()[:2]
 
     def cut_lifelines(self) -> None:
         """Close the runner's end of every host's lifeline (as its death would)."""

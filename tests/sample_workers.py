@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import faulthandler
 import os
 import signal
 import subprocess
@@ -160,6 +161,26 @@ class Say(Step):
 
     def run(self, worker: Echo):
         print(f"{self.text} from rank {worker.rank}", flush=True)
+
+
+@dataclasses.dataclass
+class LateStacks(Step):
+    """Rank ``rank`` leaves the runner's SIGUSR1 unanswered, then writes its stacks once
+    ``flag`` exists (as a rank stuck in the kernel would, after the timeout was reported),
+    and a line that says so; every other rank returns at once."""
+
+    rank: int
+    flag: str
+
+    def run(self, worker: Echo):
+        if worker.rank != self.rank:
+            return None
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.flag) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        faulthandler.dump_traceback(all_threads=True)
+        print("stacks written late", flush=True)
 
 
 @dataclasses.dataclass

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import zlib
 
@@ -420,6 +421,56 @@ def test_shutdown_leaves_no_actor_process_or_placement_group(cluster):
     runner.shutdown()
     assert wait_gone([p[k] for p in placed for k in ("pid", "host_pid")], timeout=5) == []
     assert nothing_reserved() and wait_full().get("CPU") == 4.0
+
+
+def reactor_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("reactor-dist"))
+
+
+def live_hosts() -> list[str]:
+    """The RankHost actors Ray's GCS holds alive (its state API needs the dashboard)."""
+    from ray._private.state import actors
+
+    return [a["ActorID"] for a in actors(actor_state_name="ALIVE").values()
+            if a["ActorClassName"].endswith("RankHost")]
+
+
+def tcp_sockets_at(addresses: set[tuple[str, int]]) -> list:
+    """Every TCP socket on this machine (whoever holds it, or none: a socket a thread
+    still blocks on outlives its closed fd) bound to one of ``addresses``, but those in
+    TIME_WAIT (closed, the kernel keeps the address a while)."""
+    return [c for c in psutil.net_connections("tcp")
+            if tuple(c.laddr) in addresses and c.status != psutil.CONN_TIME_WAIT]
+
+
+def test_three_runners_leave_no_thread_socket_or_actor_after_shutdown(cluster):
+    threads = reactor_threads()
+    with placed_runner() as warm:  # Ray opens its own connections once, on first use
+        assert warm.generate(1) == 1
+    wait_for(lambda: live_hosts() == [])
+    fds = psutil.Process().num_fds()
+    addresses = set()
+    for _ in range(3):
+        with placed_runner() as runner:
+            assert runner.generate(2) == 2
+            assert "reactor-dist-lifeline" in reactor_threads()
+            probe = Probe(runner)
+            addresses.add(probe.lifeline_address)
+            addresses.update((host, int(port)) for host, port in
+                             (e.removeprefix("tcp://").rsplit(":", 1)
+                              for e in probe.tcp_endpoints))
+            assert len(tcp_sockets_at(addresses)) >= 2 and len(live_hosts()) == 2
+    assert reactor_threads() == threads
+    assert tcp_sockets_at(addresses) == []  # the lifelines' and the TCP buses'
+    assert psutil.Process().num_fds() <= fds  # Ray may close some of its own meanwhile
+    wait_for(lambda: live_hosts() == [])  # ray.kill returns before the GCS says DEAD
+
+
+def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("options, message", [

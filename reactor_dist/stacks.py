@@ -1,0 +1,120 @@
+"""A silent rank's stacks for a WorkerTimeout, or why there are none.
+
+On a timeout the runner asks each silent rank for every thread's stack: SIGUSR1, which
+faulthandler answers (rank.main registers it) by writing them to the rank's output,
+muted meanwhile so that they show in the error alone.  Two cases get words instead:
+
+- a *stopped* rank (state T, or t under a tracer) cannot answer; it is named as
+  stopped, with the signal that stopped it where this process can know it (a rank's
+  parent reads it with ``waitid``), and how to resume it.  It is not signalled: its
+  dump would only come once resumed, and a debugger holding it would see the signal.
+- a rank that got SIGUSR1 but wrote no dump within :data:`DUMP_WAIT` owes one; its
+  output drops that dump when it comes (output.RankOutput.late_dump_owed), rather
+  than print it on the caller's stderr after the error was raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import time
+from typing import TYPE_CHECKING
+
+import psutil
+
+if TYPE_CHECKING:
+    from .processes import RankProcess
+
+DUMP_WAIT = 0.5  # seconds the silent ranks get to write their dumps
+QUIET = 0.03  # a dump is complete once its rank wrote nothing for this long
+# The first frame of a rank's own runner-watch thread (rank.watch_runner) in a dump.
+OWN_THREAD = re.compile(r'reactor_dist[/\\]rank\.py", line \d+ in wait$')
+STOPPING = "SIGSTOP, SIGTSTP, SIGTTIN or SIGTTOU"  # what may have stopped a process
+
+
+def dumps(procs: list[RankProcess]) -> list[str]:
+    """Each silent rank's stacks (or why there are none), in the order of ``procs``."""
+    stopped = [stopped_note(p) for p in procs]
+    asked = [p for p, note in zip(procs, stopped, strict=True) if note is None]
+    headers = {p.rank: p.output.dump_headers for p in asked}
+    for p in asked:
+        p.output.muted = True
+        with contextlib.suppress(OSError):
+            os.kill(p.launcher_pid, signal.SIGUSR1)
+    deadline = time.monotonic() + DUMP_WAIT
+    while asked and time.monotonic() < deadline:
+        time.sleep(0.01)
+        if all(p.output.dump_headers > headers[p.rank] and
+               time.monotonic() - p.output.last_output > QUIET for p in asked):
+            break
+    late = {p.rank for p in asked if p.output.dump_headers == headers[p.rank]}
+    for p in asked:
+        p.output.late_dump_owed = p.rank in late  # set before the output is unmuted
+        p.output.muted = False
+    return [note or (no_dump(p) if p.rank in late else dump_of(p))
+            for p, note in zip(procs, stopped, strict=True)]
+
+
+def stopped_note(proc: RankProcess) -> str | None:
+    """What to say of a rank whose process is stopped; None when it runs."""
+    for pid in dict.fromkeys((proc.launcher_pid, proc.pid)):  # where its code runs first
+        try:
+            status = psutil.Process(pid).status()
+        except psutil.Error:
+            continue
+        if status == psutil.STATUS_TRACING_STOP:
+            return (f"rank {proc.rank} (pid {pid}) is in a tracing stop (state t: a debugger "
+                    f"or tracer holds it), so it cannot answer nor show its stacks: let the "
+                    f"tracer continue it or detach")
+        if status == psutil.STATUS_STOPPED:
+            signum = stop_signal(proc) if pid == proc.pid else None
+            how = signal.Signals(signum).name if signum else STOPPING
+            return (f"rank {proc.rank} (pid {pid}) is stopped (state T, by {how}), so it "
+                    f"cannot answer nor show its stacks: resume it with kill -CONT {pid}")
+    return None
+
+
+def stop_signal(proc: RankProcess) -> int | None:
+    """The signal that stopped our child ``proc``: its parent alone can know it
+    (``waitid`` with WNOWAIT, which leaves the notice for the next look)."""
+    options = os.WSTOPPED | os.WNOHANG | os.WNOWAIT
+    try:
+        info = (os.waitid(os.P_PIDFD, proc.pidfd, options) if proc.pidfd >= 0 else
+                os.waitid(os.P_PID, proc.pid, options))
+    except (AttributeError, OSError):
+        return None
+    if info is None or info.si_code != os.CLD_STOPPED:
+        return None
+    with contextlib.suppress(ValueError):
+        return int(signal.Signals(info.si_status))
+    return None
+
+
+def no_dump(proc: RankProcess) -> str:
+    """A rank that wrote no stacks in time (stuck in the kernel, or stopped meanwhile)."""
+    lines = proc.output.last_lines(10) or ["(no output)"]
+    return (f"rank {proc.rank} (pid {proc.pid}) wrote no stacks within {DUMP_WAIT:g} s of "
+            f"SIGUSR1 (stuck in a system call or the kernel?); its last output:\n" +
+            "\n".join(f"    {line}" for line in lines))
+
+
+def dump_of(proc: RankProcess) -> str:
+    """A rank's faulthandler dump, as its output pump saw it."""
+    return f"rank {proc.rank} (pid {proc.pid}), last output:\n" + "\n".join(
+        f"    {line}" for line in without_own_threads(proc.output.last_lines(30)))
+
+
+def without_own_threads(lines: list[str]) -> list[str]:
+    """A faulthandler dump without the blocks of reactor_dist's own threads."""
+    kept: list[str] = []
+    block: list[str] = []
+    for line in [*lines, ""]:
+        if line.strip():
+            block.append(line)
+            continue
+        if not (len(block) > 1 and OWN_THREAD.search(block[1])):
+            kept += block + ([line] if block else [])
+        block = []
+    return kept[:-1] if kept and kept[-1] == "" else kept
