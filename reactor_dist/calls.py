@@ -28,6 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import shm, transfer
+from .bus import CommandBlocked
 from .errors import WorkerCrashed, WorkerTimeout, rebuild_exception, type_name
 from .ledger import Ledger, Mapped
 from .outcome import RETURNED, Outcome
@@ -92,6 +93,9 @@ class CallPath:
                   replies: Replies) -> WorkerTimeout:
         raise NotImplementedError
 
+    def not_taken(self, timeout: float | None, what: str) -> WorkerTimeout:
+        raise NotImplementedError
+
     def call(self, method: str, value: Any, timeout: float | None) -> list[Outcome]:
         """Run ``method(value)`` on every rank: one Outcome per rank, in rank order (a
         generator worker's items, decoded as they came, are rank 0's value).
@@ -140,7 +144,11 @@ class CallPath:
         retired = self.inputs.take_retired()
         if retired:
             header[Field.RETIRED] = retired
-        self.bus.publish(header, body)
+        try:  # a rank's full pipe: wait for room as long as the call would wait
+            self.bus.publish(header, body, None if timeout is None else
+                             time.monotonic() + timeout)
+        except CommandBlocked:
+            raise self.not_taken(timeout, f"{method}()'s command") from None
         return PendingCall(seq, method, timeout, started, time.perf_counter())
 
     def next_item(self, pending: PendingCall) -> Any:
