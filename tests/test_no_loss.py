@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 
+import psutil
 import pytest
 from bus_workers import CountLoads
 
@@ -59,6 +60,15 @@ ctx.term()
 """
 
 
+def stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and return once it is stopped (it reads nothing more)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, f"pid {pid} did not stop"
+        time.sleep(0.01)
+
+
 def call(seq: int) -> tuple[dict, list]:
     return {Field.KIND: Kind.CALL, Field.SEQ: seq}, [bytes(BIG)]
 
@@ -80,7 +90,7 @@ def test_a_stopped_subscriber_gets_every_command_in_order(monkeypatch):
             bus.try_publish({Field.KIND: Kind.PING, Field.SEQ: 0})
             pong = bus.receive(20)
         assert pong is not None and pong[0][Field.KIND] == Kind.PONG
-        os.kill(peer.pid, signal.SIGSTOP)
+        stop(peer.pid)
         sent, blocked = 0, False
         while sent < 20 and not blocked:  # the bound (2) + what ZeroMQ's I/O thread holds
             try:
@@ -119,7 +129,7 @@ def test_start_and_calls_complete_past_the_bound_of_a_stopped_rank(monkeypatch):
     with runner:
         assert runner.generate(b"x") == 1
         rank1 = runner._transport.ranks.procs[1].pid
-        os.kill(rank1, signal.SIGSTOP)
+        stop(rank1)
         resume = threading.Timer(1.0, os.kill, (rank1, signal.SIGCONT))
         try:
             async def abandon_two() -> None:
@@ -148,7 +158,7 @@ def test_a_call_that_cannot_be_handed_over_names_the_stopped_rank(monkeypatch):
                                init_process_group=False, start_timeout=60, call_timeout=60)
     with runner:
         rank1 = runner._transport.ranks.procs[1].pid
-        os.kill(rank1, signal.SIGSTOP)
+        stop(rank1)
         try:
             async def abandon_two() -> None:
                 for _ in range(2):
