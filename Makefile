@@ -13,7 +13,7 @@ RAY_SPEC ?= ray==2.60.0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER = 0
 export RAY_USAGE_STATS_ENABLED = 0
 
-.PHONY: venv test test-slow demo bench bench-quick bench-per-call gpu-check lint clean
+.PHONY: venv test test-slow stress demo bench bench-quick bench-per-call gpu-check lint clean
 
 venv: $(VENV)/.installed
 
@@ -31,6 +31,12 @@ test: venv
 
 test-slow: venv
 	$(PY) -m pytest -q -m slow
+
+# Runner lifetimes (start, one call, shutdown) over world_size 2-4, with and without a
+# CPU hog: zero hangs or it fails (issue 19). Not part of `make test`; N=300 for a quick run.
+N ?= 3000
+stress: venv
+	$(PY) -m benchmarks.stress $(N)
 
 demo: venv
 	$(PY) examples/demo.py --world-size 2 --device auto

@@ -7,6 +7,16 @@ arrive on the PULL socket too (over inproc), so that waiting for a call's replie
 is one blocking receive, which a death also wakes.  Every message is authenticated
 (:mod:`reactor_dist.wire`) before anything in it is decoded; what is not ours is
 dropped unread.
+
+No command is ever dropped: the command socket is an XPUB with ``ZMQ_XPUB_NODROP``, so
+a rank's pipe at its bound (``SNDHWM``, :data:`~reactor_dist.protocol.SEND_BOUND_ENV`)
+makes a send fail with EAGAIN instead of losing the message for that rank (a plain PUB
+drops it silently).  libzmq checks the bound at a message's first frame only (a
+message's later frames never fail), and then for every rank: a command reaches every
+rank or none.  :meth:`Bus.try_publish` tries once; :meth:`Bus.publish` retries until
+its deadline (POLLOUT means nothing on an XPUB: ZeroMQ says "writable" whatever the
+pipes hold, so it sleeps between tries).  Which command does what at the bound is
+told in docs/design.md ("No command is lost").
 """
 
 from __future__ import annotations
@@ -21,19 +31,49 @@ import shutil
 import stat
 import tempfile
 import threading
+import time
 from typing import Any
 
 import psutil
 import zmq
 
 from . import shm, timeouts, wire
-from .protocol import IPC_DIR_PREFIX, OWNER_LOCK, Field, Kind, ipc_dir_owner
+from .protocol import (
+    IPC_DIR_PREFIX,
+    OWNER_LOCK,
+    SEND_BOUND_DEFAULT,
+    SEND_BOUND_ENV,
+    Field,
+    Kind,
+    ipc_dir_owner,
+)
 
 # A wait may end this much before or after its deadline: a call's second receive then
 # keeps the first one's RCVTIMEO instead of setting it anew.
 TIMEOUT_SLACK_MS = 5
 FOREVER_MS = 1 << 62
 ZAP_DOMAIN = "reactor-dist"
+# Bus.publish at the bound: the first pause between tries, and the longest one.
+RETRY_FIRST, RETRY_MOST = 0.0005, 0.01
+_FIRST, _FIRST_OF_MORE, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.SNDMORE)
+
+
+class CommandBlocked(TimeoutError):
+    """Bus.publish's deadline passed while a rank's pipe stayed at its bound: the
+    command was sent to no rank."""
+
+
+def send_bound() -> int:
+    """The bound of one rank's pipe of commands (SEND_BOUND_ENV, else the default)."""
+    raw = os.environ.get(SEND_BOUND_ENV) or str(SEND_BOUND_DEFAULT)
+    try:
+        bound = int(raw)
+    except ValueError:
+        bound = 0
+    if bound < 1:
+        raise ValueError(f"{SEND_BOUND_ENV}={raw!r}: give a whole number of commands, at "
+                         f"least 1 (the default is {SEND_BOUND_DEFAULT}), or unset it")
+    return bound
 
 
 def reclaim_dead_ipc_dirs() -> None:
@@ -98,10 +138,13 @@ class Bus:
     def _open(self, secret: bytes, ipc_dir: str, world_size: int) -> None:
         self.secret, self.world_size = secret, world_size
         self.channel = wire.Channel(secret)
-        self.pub = wire.bounded(self.ctx.socket(zmq.PUB))
-        # One call at a time keeps each rank's queue a few messages deep; the bound only
-        # stops a stray subscriber that never reads from growing our memory.
-        self.pub.setsockopt(zmq.SNDHWM, 1000)
+        self.bound = send_bound()
+        self.pub = wire.bounded(self.ctx.socket(zmq.XPUB))
+        # One call at a time keeps each rank's queue a few messages deep; the bound stops
+        # a rank that does not read (stopped, starved) from growing our memory, and at it
+        # a send fails (NODROP) rather than losing the command for that rank.
+        self.pub.setsockopt(zmq.SNDHWM, self.bound)
+        self.pub.setsockopt(zmq.XPUB_NODROP, 1)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.cmd_addr = f"ipc://{ipc_dir}/cmd"
         self.pub.bind(self.cmd_addr)
@@ -143,18 +186,65 @@ class Bus:
         self.server_key = public
         return addresses[0], addresses[1], public
 
-    def publish(self, header: dict[str, Any], body: list | tuple = ()) -> None:
-        """Send one command to every rank (from any thread: see reactor_dist.releaser)."""
-        header[Field.RANK] = -1
+    def publish(self, header: dict[str, Any], body: list | tuple = (),
+                deadline: float | None = None) -> None:
+        """Send one command to every rank; while a rank's pipe is at its bound, try again
+        until ``deadline`` (time.monotonic(); None: no limit), then CommandBlocked (the
+        command went to no rank).  Any thread may publish (see reactor_dist.releaser)."""
         with self.pub_lock:  # the packer's buffer too is one per channel
-            frames = self.channel.pack(header, body)
-            if self._pub_open:
-                # A Ctrl-C cut the last command short: end that message with an empty
-                # frame (the ranks reject it: its MAC fails) so it cannot swallow this one.
-                self.pub.send(b"")
-            self._pub_open = True
-            wire.send(self._pub_send, frames)
+            frames = self._pack(header, body)
+        pause = RETRY_FIRST
+        while True:
+            with self.pub_lock:
+                if self._send(frames):
+                    return
+                self._drop_subscriptions()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise CommandBlocked(
+                    f"a {header.get(Field.KIND)} command found a rank's pipe holding "
+                    f"{self.bound} commands it has not taken up ({SEND_BOUND_ENV})")
+            time.sleep(pause if left is None else min(pause, left))
+            pause = min(pause * 2, RETRY_MOST)
+
+    def try_publish(self, header: dict[str, Any], body: list | tuple = ()) -> bool:
+        """Send one command to every rank if no rank's pipe is at its bound: True when
+        sent, False when sent to none (try again later)."""
+        with self.pub_lock:
+            return self._send(self._pack(header, body))
+
+    def _pack(self, header: dict[str, Any], body: list | tuple) -> list[Any]:
+        header[Field.RANK] = -1
+        return self.channel.pack(header, body)
+
+    def _send(self, frames: list[Any]) -> bool:
+        """One try: False when the first frame met a full pipe (then nothing was sent)."""
+        if self._pub_open:
+            # A Ctrl-C cut the last command short: end that message with an empty frame
+            # (the ranks reject it: its MAC fails) so it cannot swallow this one.  A later
+            # frame never meets the bound; Again: the cut came before the first frame.
+            with contextlib.suppress(zmq.Again):
+                self.pub.send(b"", zmq.NOBLOCK)
             self._pub_open = False
+        self._pub_open = True
+        try:
+            self._pub_send(frames[0], _FIRST_OF_MORE if len(frames) > 1 else _FIRST)
+        except zmq.Again:
+            self._pub_open = False
+            return False
+        for frame in frames[1:-1]:
+            self._pub_send(frame, _MORE)
+        if len(frames) > 1:
+            self._pub_send(frames[-1])
+        self._pub_open = False
+        return True
+
+    def _drop_subscriptions(self) -> None:
+        """An XPUB hands us each new subscription (a rank joining) to read: read them, so
+        they never pile up (without XPUB_VERBOSE only the first and last of a topic)."""
+        with contextlib.suppress(zmq.Again):
+            while True:
+                self.pub.recv(zmq.NOBLOCK)
 
     def receive(self, wait_ms: int) -> tuple[dict, list] | None:
         """The next message if it is an authentic reply or death notice; None when

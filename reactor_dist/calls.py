@@ -28,6 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import shm, timeouts, transfer
+from .bus import CommandBlocked
 from .errors import WorkerCrashed, WorkerTimeout, rebuild_exception, type_name
 from .ledger import IDLE_RETURN, Ledger, Mapped
 from .outcome import RETURNED, Outcome
@@ -84,6 +85,7 @@ class CallPath:
     owing: dict[int, int]
     interrupted: int
     rounds: int = 0  # RECLAIM rounds asked (reclaim())
+    hungry: int | None = None  # rank 0's STARVED round not yet answered (a full pipe)
     last_sent: float = 0.0  # perf_counter when the last call was sent
     reclaim_timeout: float | None = None  # the call being sent's timeout bounds a reclaim
     inline_limit: int = transfer.INLINE_LIMIT  # IN_BAND when a rank is on another node
@@ -93,6 +95,9 @@ class CallPath:
 
     def timed_out(self, silent: list[int], timeout: float | None, what: str,
                   replies: Replies) -> WorkerTimeout:
+        raise NotImplementedError
+
+    def not_taken(self, timeout: float | None, what: str) -> WorkerTimeout:
         raise NotImplementedError
 
     def call(self, method: str, value: Any, timeout: float | None) -> list[Outcome]:
@@ -147,7 +152,11 @@ class CallPath:
         retired = self.inputs.take_retired()
         if retired:
             header[Field.RETIRED] = retired
-        self.bus.publish(header, body)
+        try:  # a rank's full pipe: wait for room as long as the call would wait
+            self.bus.publish(header, body, None if timeout is None else
+                             time.monotonic() + timeout)
+        except CommandBlocked:
+            raise self.not_taken(timeout, f"{method}()'s command") from None
         return PendingCall(seq, method, timeout, started, time.perf_counter())
 
     def next_item(self, pending: PendingCall) -> Any:
@@ -295,6 +304,8 @@ class CallPath:
         assert self.bus is not None
         if self.results.has_released():
             self.pass_on_releases()
+        if self.hungry is not None:
+            self.feed({Field.ROUND: self.hungry})
         if deadline is None:
             message = self.bus.receive(-1)
         else:
@@ -322,12 +333,13 @@ class CallPath:
         released = self.results.take_released()
         if not released:
             return
-        try:
-            self.bus.publish({Field.KIND: Kind.RELEASE, Field.SEQ: self.seq,
-                              Field.RELEASED: released})
-        except BaseException:
-            self.results.release(released)  # not sent: the next message carries them
-            raise
+        sent = False
+        try:  # a rank's full pipe: the next message carries them (never a wait here)
+            sent = self.bus.try_publish({Field.KIND: Kind.RELEASE, Field.SEQ: self.seq,
+                                         Field.RELEASED: released})
+        finally:
+            if not sent:
+                self.results.release(released)
 
     def feed(self, starved: dict[str, Any]) -> None:
         """Rank 0 cannot allocate a result segment: everything we can give back goes to
@@ -335,11 +347,16 @@ class CallPath:
         round; rank 0 then tries once more.  By the time we read STARVED, every item
         rank 0 sent before it has been taken: what the caller still holds, it holds."""
         assert self.bus is not None
+        self.hungry = starved.get(Field.ROUND)
         retired = self.inputs.retire_idle()
-        self.bus.publish({Field.KIND: Kind.RELEASE, Field.SEQ: self.seq,
-                          Field.ROUND: starved.get(Field.ROUND),
-                          Field.RELEASED: self.results.take_released(),
-                          Field.RETIRED: retired})
+        released = self.results.take_released()
+        if self.bus.try_publish({Field.KIND: Kind.RELEASE, Field.SEQ: self.seq,
+                                 Field.ROUND: self.hungry, Field.RELEASED: released,
+                                 Field.RETIRED: retired}):
+            self.hungry = None
+        else:  # a rank's full pipe: tried again at each wait (never a wait here)
+            self.results.release(released)
+            self.inputs.retired_again(retired)
 
     def reclaim(self, nbytes: int) -> None:
         """An input of ``nbytes`` does not fit, even with our idle segments retired:
@@ -348,12 +365,17 @@ class CallPath:
         more.  A rank that does not answer in time only means the allocation fails."""
         assert self.bus is not None and self.ranks is not None
         self.rounds += 1
-        self.bus.publish({Field.KIND: Kind.RECLAIM, Field.SEQ: self.seq,
-                          Field.ROUND: self.rounds,
-                          Field.RELEASED: self.results.take_released(),
-                          Field.RETIRED: self.inputs.take_retired()})
         timeout = self.reclaim_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
+        released, retired = self.results.take_released(), self.inputs.take_retired()
+        try:
+            self.bus.publish({Field.KIND: Kind.RECLAIM, Field.SEQ: self.seq,
+                              Field.ROUND: self.rounds, Field.RELEASED: released,
+                              Field.RETIRED: retired}, deadline)
+        except CommandBlocked:  # a rank's full pipe: the allocation fails as it would
+            self.results.release(released)
+            self.inputs.retired_again(retired)
+            return
         answered: set[int] = set()
         late = PendingCall(-1, "reclaim", None)  # answers nothing: late replies are applied
         while len(answered) < self.world_size:

@@ -171,6 +171,10 @@ class Ledger:
             self._retired = []
         return retired
 
+    def retired_again(self, names: list[str]) -> None:
+        """Retirements taken for a message that was not sent: the next one tells them."""
+        self._retired[:0] = names
+
     def find(self, address: int, nbytes: int) -> tuple[Segment, int] | None:
         """The segment (and offset) holding ``nbytes`` at ``address``, if one does."""
         for seg in self.segments.values():

@@ -7,13 +7,20 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
 
     kind      dir  when                       header fields beyond KIND, SEQ, RANK
     --------  ---  -------------------------  ---------------------------------------
-    ping      ->   handshake, every 20 ms     -
+    ping      ->   handshake: one per 20 ms   -
+                   (a fixed pace) until every
+                   rank ponged
     pong      <-   answer to each ping        PID (the rank's own pid), PORT (rank 0's
                                               rendezvous store, else 0)
     progress  <-   a phase of start() begins  PHASE ("importing", "forming the group",
                    (import, group, load), or  "loading"); for load()'s own reports DONE,
                    load() reported progress   TOTAL (numbers; TOTAL may be absent), UNIT
-    init      ->   once every rank ponged     PORT (rank 0's store port)
+    init      ->   once every rank ponged;    PORT (rank 0's store port)
+                   again at the ping pace
+                   until every rank sent a
+                   progress or ready after
+                   it (a repeat gets the same
+                   ready, load() runs once)
     ready     <-   load() returned or raised  STATUS, ERROR, DEVICE (the rank's device,
                                               e.g. "cpu" or "cuda:0", once chosen),
                                               LOAD_SECONDS (load()'s duration, a float),
@@ -85,6 +92,11 @@ MAX_FRAME_DEFAULT = 256 << 20
 MAX_MESSAGE_ENV = "REACTOR_DIST_MAX_MESSAGE"
 MAX_MESSAGE_DEFAULT = 1 << 30
 MAC_ONE_FRAME, MAC_FRAMES = b"reactor-dist/1", b"reactor-dist/n"  # MAC personalizations
+# How many commands the runner's command socket holds for one rank that has not taken
+# them up (ZMQ_SNDHWM of its XPUB socket).  At the bound a command is never dropped: the
+# runner waits, re-sends or reports (reactor_dist.bus).  Settable for tests.
+SEND_BOUND_ENV = "REACTOR_DIST_SEND_BOUND"
+SEND_BOUND_DEFAULT = 1000
 
 # -- header fields ------------------------------------------------------------------------
 class Field:

@@ -6,7 +6,8 @@ Life of a rank (messages in :mod:`reactor_dist.protocol`)::
     watch the runner's pid -> if it dies: remove its /dev/shm entries, kill own group
     connect SUB (commands) + PUSH (replies); import torch when a group is to be formed
     Kind.PING  -> Kind.PONG        (handshake: proves our subscription is live)
-    Kind.INIT  -> Kind.READY       (set device, form the torch.distributed group, load())
+    Kind.INIT  -> Kind.READY       (set device, form the torch.distributed group, load();
+                                    a repeated INIT gets the same READY, load() runs once)
     Kind.CALL  -> Kind.REPLY       (generate/reset; rank 0 alone sends the result payload)
     Kind.RELEASE, Kind.RECLAIM     (shared memory back: also read mid-call, rank_memory.py)
     Kind.SHUTDOWN -> exit
@@ -75,6 +76,9 @@ class RankServer:
         self.results, self.inputs = self.memory.results, self.memory.inputs
         self.inside = 0.0  # seconds inside the running generator step (run_steps)
         self.progress = Reporter(self.send)  # Kind.PROGRESS during start-up
+        # Kind.READY as sent: the runner re-sends INIT until it hears from us, and a
+        # repeated INIT gets this again (load() runs once).
+        self.ready: tuple[dict[str, Any], list] | None = None
         # Payloads from this size on go through shared memory, where the runner has it.
         self.inline_limit = transfer.INLINE_LIMIT if boot.shared_memory else transfer.IN_BAND
 
@@ -133,8 +137,11 @@ class RankServer:
             if kind == Kind.PING:
                 self.send({Field.KIND: Kind.PONG, Field.SEQ: header[Field.SEQ],
                            Field.PID: os.getpid(), Field.PORT: port})
-            elif kind == Kind.INIT:
+            elif kind == Kind.INIT and self.ready is None:
                 self.init(header)
+            elif kind == Kind.INIT:
+                ready, ready_body = self.ready
+                self.send(dict(ready), list(ready_body))
             elif kind == Kind.CALL and header[Field.SEQ] > self.last_seq:
                 self.last_seq = header[Field.SEQ]
                 self.call(header, body)
@@ -183,6 +190,7 @@ class RankServer:
         except BaseException as exc:
             reply[Field.STATUS], reply[Field.ERROR] = Status.RAISED, describe(exc)
             body = [pickle_exception(exc) or b""]
+        self.ready = (dict(reply), list(body))
         self.send(reply, body)
 
     def boot_worker(self, device: str) -> Any:

@@ -16,13 +16,13 @@ import pickle
 import shutil
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
+import psutil
 import zmq
 
 from . import descriptors, shm, timeouts, transfer, wire
-from .bus import Bus, private_dir, reclaim_dead_ipc_dirs
+from .bus import Bus, CommandBlocked, private_dir, reclaim_dead_ipc_dirs
 from .calls import CallPath, Replies
 from .errors import (
     MainGuardMissing,
@@ -48,7 +48,9 @@ from .protocol import (
 )
 from .releaser import Releaser
 
-PING_EVERY = 0.02  # handshake: until every rank answered (PUB/SUB's slow joiner)
+# Start-up: PING until every rank answered (PUB/SUB's slow joiner), then INIT until every
+# rank has said it got it: one per interval, on a fixed pace whatever arrives meanwhile.
+PING_EVERY = 0.02
 log = logging.getLogger("reactor_dist")
 
 
@@ -90,6 +92,7 @@ class Transport(CallPath):
         self._env, self._gpus, self._launch_prefix = env, gpus, launch_prefix
         self._ray = ray
         self.placement: RayGroup | None = None  # placement="ray": the group Ray placed
+        self.pings_sent = self.inits_sent = 0  # start-up's commands published (stress.py)
 
     def _ours(self, name: str) -> bool:
         return "/" not in name and name.startswith(self.shm_prefix + ".")
@@ -127,15 +130,17 @@ class Transport(CallPath):
             self._place(deadline)
         log.info("started %d rank%s (pids %s)", self.world_size, "s" if self.world_size > 1
                  else "", ", ".join(str(p.pid) for p in self.ranks.procs))
-        bus = self.bus
         pongs = self.handshake(Kind.PONG, deadline - time.monotonic(), timeout,
-                               ping=lambda: bus.publish({Field.KIND: Kind.PING, Field.SEQ: 0}))
+                               command={Field.KIND: Kind.PING, Field.SEQ: 0})
         for rank, (header, _) in pongs.items():
             self.ranks.found_launcher(rank, header.get(Field.PID))
         store_port = pongs[0][0].get(Field.PORT) or 0
-        bus.publish({Field.KIND: Kind.INIT, Field.SEQ: 0, Field.PORT: store_port})
+        # A rank's first PROGRESS after INIT (its phase "forming the group" or "loading")
+        # says it got INIT: re-sending stops then, not after load().
         ready = self.handshake(Kind.READY, deadline - time.monotonic(), timeout,
-                               first_error=True)
+                               command={Field.KIND: Kind.INIT, Field.SEQ: 0,
+                                        Field.PORT: store_port},
+                               acks=Kind.PROGRESS, first_error=True)
         self.devices = [str(ready[r][0].get(Field.DEVICE)) for r in sorted(ready)]
         self.log_ready(ready)
         for rank, (header, body) in ready.items():
@@ -206,25 +211,37 @@ class Transport(CallPath):
                          gpus=self._gpus, launch_prefix=self._launch_prefix)
 
     def handshake(self, kind: str, timeout: float, stated_timeout: float | None,
-                  ping: Callable[[], None] | None = None, first_error: bool = False) -> Replies:
-        """Start-up: wait for ``kind`` from every rank, ``ping`` repeated every PING_EVERY;
-        with ``first_error`` a RAISED answer ends the wait at once (a failed load() makes
-        the rest pointless)."""
+                  command: dict[str, Any], acks: str = "",
+                  first_error: bool = False) -> Replies:
+        """Start-up: wait for ``kind`` from every rank, publishing ``command`` once per
+        PING_EVERY (a fixed pace: arrivals do not hasten it) until each rank has sent
+        ``kind`` or ``acks``.  A command that meets a full pipe is simply tried again at
+        the next beat (Bus.try_publish); none is ever lost.  With ``first_error`` a
+        RAISED answer ends the wait at once (a failed load() makes the rest pointless)."""
         assert self.ranks is not None and self.bus is not None
         replies: Replies = {}
+        heard: set[int] = set()  # ranks that have the command
         deadline = time.monotonic() + timeout
+        beat = time.monotonic()  # when the command is next due
         while len(replies) < self.world_size:
-            if ping is not None:
-                ping()
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            sending = len(heard) < self.world_size
+            if sending and now >= beat:
+                self.publish_start_command(dict(command))
+                beat += PING_EVERY
+                if beat <= now:  # fell behind (a slow receive): no burst to catch up
+                    beat = now + PING_EVERY
+            left = deadline - now
             if left <= 0:
                 silent = [r for r in range(self.world_size) if r not in replies]
                 raise self.timed_out(silent, stated_timeout, "start()", replies)
-            wait = min(left, PING_EVERY) if ping is not None else left
-            message = self.bus.receive(timeouts.wait_ms(wait))
+            wait = min(left, beat - now) if sending else left
+            message = self.bus.receive(timeouts.wait_ms(max(wait, 0.0)))
             if message is None:
                 continue
             header, rank = message[0], message[0][Field.RANK]
+            if header[Field.KIND] in (kind, acks):
+                heard.add(rank)
             if header[Field.KIND] == kind and rank not in replies:
                 replies[rank] = message
                 if first_error and header.get(Field.STATUS) == Status.RAISED:
@@ -234,6 +251,15 @@ class Transport(CallPath):
             elif header[Field.KIND] == Kind.DEATH:
                 raise self.crashed(self.ranks.dead() or [rank], "start()")
         return replies
+
+    def publish_start_command(self, header: dict[str, Any]) -> None:
+        """One try at PING or INIT (counted when sent); a full pipe waits for the next beat."""
+        assert self.bus is not None
+        if self.bus.try_publish(header):
+            if header[Field.KIND] == Kind.PING:
+                self.pings_sent += 1
+            else:
+                self.inits_sent += 1
 
     # -- failures ------------------------------------------------------------------------
     def dead(self) -> list[int]:
@@ -263,6 +289,22 @@ class Transport(CallPath):
                              f"{timeout:g} s during {what}", raised, interrupted,
                              self.ranks.stacks(silent))
 
+    def not_taken(self, timeout: float | None, what: str) -> WorkerTimeout:
+        """The WorkerTimeout of a command that no rank got within ``timeout`` because one
+        rank's pipe stayed full (Bus.publish's CommandBlocked): the ranks named are the
+        stopped ones, else those still running an interrupted call, else all (ZeroMQ does
+        not say whose pipe it is)."""
+        assert self.ranks is not None and self.bus is not None
+        stopped = [r for r, p in enumerate(self.ranks.procs) if not p.hosted and
+                   (_stopped(p.pid) or _stopped(p.launcher_pid))]
+        suspects = stopped or sorted(self.owing) or list(range(self.world_size))
+        which = "stopped" if stopped else "still running an interrupted call" \
+            if self.owing else "one of them"
+        headline = (f"{what} was sent to no rank within {timeout:g} s: a rank has not "
+                    f"taken up its last {self.bus.bound} commands (rank "
+                    f"{', '.join(map(str, suspects))}: {which})")
+        return timeout_error(headline, {}, None, self.ranks.stacks(suspects))
+
     # -- end -----------------------------------------------------------------------------
     def close(self, graceful: bool) -> None:
         """End every process and remove every file; safe to call in any state, twice."""
@@ -274,9 +316,13 @@ class Transport(CallPath):
             grace = 0.0
             procs = self.ranks.procs
             if graceful and procs and all(p.alive() for p in procs) and self.bus is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    self.bus.publish({Field.KIND: Kind.SHUTDOWN, Field.SEQ: self.seq + 1})
-                grace = self.shutdown_grace
+                # A SHUTDOWN that finds a full pipe waits within the grace period; if it
+                # cannot be sent then, the ranks are ended without it (SIGTERM, SIGKILL).
+                began = time.monotonic()
+                with contextlib.suppress(zmq.ZMQError, CommandBlocked):
+                    self.bus.publish({Field.KIND: Kind.SHUTDOWN, Field.SEQ: self.seq + 1},
+                                     deadline=began + self.shutdown_grace)
+                    grace = max(self.shutdown_grace - (time.monotonic() - began), 0.0)
             self.ranks.end(grace)
             if self.placement is not None:
                 self.placement.close(timeouts.for_library(grace))
@@ -299,3 +345,12 @@ class Transport(CallPath):
         if self._owner_lock >= 0:
             os.close(self._owner_lock)
             self._owner_lock = -1
+
+
+def _stopped(pid: int | None) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, a debugger): it reads nothing."""
+    try:
+        return pid is not None and psutil.Process(pid).status() in (
+            psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
