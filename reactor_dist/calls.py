@@ -371,7 +371,7 @@ class CallPath:
         try:
             self.bus.publish({Field.KIND: Kind.RECLAIM, Field.SEQ: self.seq,
                               Field.ROUND: self.rounds, Field.RELEASED: released,
-                              Field.RETIRED: retired}, deadline)
+                              Field.RETIRED: retired}, deadline=deadline)
         except CommandBlocked:  # a rank's full pipe: the allocation fails as it would
             self.results.release(released)
             self.inputs.retired_again(retired)
