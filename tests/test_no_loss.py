@@ -132,12 +132,7 @@ def test_start_and_calls_complete_past_the_bound_of_a_stopped_rank(monkeypatch):
         stop(rank1)
         resume = threading.Timer(1.0, os.kill, (rank1, signal.SIGCONT))
         try:
-            async def abandon_two() -> None:
-                for _ in range(2):
-                    with pytest.raises(asyncio.TimeoutError):
-                        await asyncio.wait_for(runner.agenerate(bytes(BIG)), 0.3)
-
-            asyncio.run(abandon_two())
+            fill_the_stopped_ranks_pipe(runner)
             # Rank 1's pipe is full now: a command would be refused (a PING is harmless).
             assert not runner._transport.bus.try_publish({Field.KIND: Kind.PING,
                                                           Field.SEQ: 0})
@@ -150,6 +145,17 @@ def test_start_and_calls_complete_past_the_bound_of_a_stopped_rank(monkeypatch):
             os.kill(rank1, signal.SIGCONT)
 
 
+def fill_the_stopped_ranks_pipe(runner: DistributedRunner) -> None:
+    """Two calls of 4 MiB in-band each, abandoned (their tasks cancelled): the stopped
+    rank's socket buffer and its pipe (bound 1) are full."""
+    async def abandon_two() -> None:
+        for _ in range(2):
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(runner.agenerate(bytes(BIG)), 0.3)
+
+    asyncio.run(abandon_two())
+
+
 def test_a_call_that_cannot_be_handed_over_names_the_stopped_rank(monkeypatch):
     """A rank stopped for longer than the call's timeout: the call is sent to nobody and
     fails with a WorkerTimeout that names the stopped rank (never a lost command)."""
@@ -160,12 +166,7 @@ def test_a_call_that_cannot_be_handed_over_names_the_stopped_rank(monkeypatch):
         rank1 = runner._transport.ranks.procs[1].pid
         stop(rank1)
         try:
-            async def abandon_two() -> None:
-                for _ in range(2):
-                    with pytest.raises(asyncio.TimeoutError):
-                        await asyncio.wait_for(runner.agenerate(bytes(BIG)), 0.3)
-
-            asyncio.run(abandon_two())
+            fill_the_stopped_ranks_pipe(runner)
             with pytest.raises(WorkerTimeout, match=r"generate\(\)'s command was sent to no "
                                                     r"rank within 0.5 s.*rank 1: stopped"):
                 runner.generate(b"x", timeout=0.5)
