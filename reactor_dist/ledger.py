@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import secrets
+import threading
 import weakref
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
@@ -229,29 +230,37 @@ class Mapped:
         self.live: Counter = Counter()  # name -> arrays handed out and not yet collected
         # Told (from a finalizer: must never block) that a release was queued.
         self.notify: Callable[[], None] = lambda: None
+        # Mapping and unmapping, which the releaser's thread does too (unmap_unused); a
+        # finalizer never takes it (it may run inside base(), in this very thread).
+        self._lock = threading.Lock()
 
     def base(self, name: str) -> np.ndarray:
-        view = self.views.get(name)
-        if view is None:
-            if not self._accept(name):
-                raise ValueError(f"a message names a foreign segment {name!r}")
-            view = self.views[name] = self._opener(name)
-        base = np.frombuffer(view.buffer, np.uint8)
-        self.live[name] += 1
+        with self._lock:
+            view = self.views.get(name)
+            if view is None:
+                if not self._accept(name):
+                    raise ValueError(f"a message names a foreign segment {name!r}")
+                view = self.views[name] = self._opener(name)
+            base = np.frombuffer(view.buffer, np.uint8)
+            self.live[name] += 1
         weakref.finalize(base, self._let_go, name)
         return base
 
     def _let_go(self, name: str) -> None:
         self.live[name] -= 1
         if self.live[name] <= 0:
-            del self.live[name]
+            self.live.pop(name, None)
         self._released.append(name)
         self.notify()
 
     def unmap_unused(self) -> None:
         """Drop the mappings nobody views now (idle for a while: a cache, not a hoard;
         the owner's idle segments only free their memory once unmapped here too)."""
-        self.unmap([name for name in list(self.views) if self.live[name] <= 0])
+        with self._lock:
+            unused = [self.views.pop(name) for name in list(self.views)
+                      if self.live[name] <= 0]
+        for view in unused:
+            view.close()
 
     def release(self, names: Iterable[str]) -> None:
         """Release segments that were never mapped (a discarded answer's)."""
@@ -274,7 +283,10 @@ class Mapped:
     def unmap(self, names: Iterable[str]) -> None:
         """Drop these mappings (retired by the owner, or no longer fit for reuse)."""
         for name in names:
-            view = self.views.pop(name, None) if isinstance(name, str) else None
+            with self._lock:
+                view = self.views.pop(name, None) if isinstance(name, str) else None
+                if view is not None and self.live[name] <= 0:
+                    self.live.pop(name, None)
             if view is not None:
                 view.close()
 

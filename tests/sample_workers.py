@@ -99,6 +99,17 @@ class FullArray(Step):
         return np.full(self.shape, self.fill, dtype=self.dtype)
 
 
+@dataclasses.dataclass
+class SlowArray(FullArray):
+    """A fresh numpy array, returned after ``seconds``."""
+
+    seconds: float = 0.0
+
+    def run(self, worker: Echo):
+        time.sleep(self.seconds)
+        return super().run(worker)
+
+
 class SharedArray(FullArray):
     """A result built in shared memory by ``shared_empty`` (sent without a copy)."""
 

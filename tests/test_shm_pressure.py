@@ -15,11 +15,16 @@ import subprocess
 import sys
 
 import pytest
+from conftest import segment_of
+from sample_workers import Echo, FullArray, SlowArray
+
+from reactor_dist import DistributedRunner
+from reactor_dist.ledger import IDLE_RETURN
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
-pytestmark = pytest.mark.skipif(shutil.which("unshare") is None,
-                                reason="needs util-linux unshare")
+needs_unshare = pytest.mark.skipif(shutil.which("unshare") is None,
+                                   reason="needs util-linux unshare")
 
 
 def run_on_64mib_tmpfs(scenario: str, tmp_path) -> list[str]:
@@ -36,25 +41,41 @@ def run_on_64mib_tmpfs(scenario: str, tmp_path) -> list[str]:
     return out.stdout.splitlines()
 
 
+@needs_unshare
 def test_a_stream_of_16_items_of_16_mb_completes_on_64_mib(tmp_path):
     """The caller's releases reach rank 0 during the stream (4 items fit at once)."""
     assert run_on_64mib_tmpfs("stream", tmp_path) == [
         "stream 16 of 16", "astream 16 of 16", "stream 16 of 16", "left []"]
 
 
+@needs_unshare
 def test_after_a_stream_of_big_items_a_16_mb_input_still_fits(tmp_path):
     """Rank 0 keeps the stream's segments warm: the input's allocation gets them back."""
     assert run_on_64mib_tmpfs("input-after-stream", tmp_path) == [
         "held 4 of 4", "16 MB input [0, 0, 0, 0, 0, 0, 0, 0]", "left []"]
 
 
+@needs_unshare
 def test_idle_warm_segments_are_given_back_after_a_short_idle_time(tmp_path):
     assert run_on_64mib_tmpfs("idle", tmp_path) == [
         "held 4 of 4", "free after the stream 0", "free after idling 64", "left []"]
 
 
+@needs_unshare
 def test_memory_truly_short_is_the_same_clear_error_and_the_runner_goes_on(tmp_path):
     lines = run_on_64mib_tmpfs("truly-short", tmp_path)
     assert lines[0].startswith("refused cannot allocate 16.0 MiB of shared memory for item ")
     assert lines[0].endswith(" of generate() on rank 0 True")
     assert lines[1:] == ["healthy True", "stream 8 of 8", "left []"]
+
+
+def test_a_call_longer_than_the_idle_time_gets_its_result_in_the_warm_segment():
+    """The caller drops idle mappings while the call runs (nothing sent for IDLE_RETURN
+    seconds); rank 0 reuses its warm segment, and the caller maps it anew."""
+    with DistributedRunner(Echo, world_size=2, init_process_group=False,
+                           device="cpu") as runner:
+        first = runner.generate(FullArray((8 << 20,), fill=1))
+        warm = segment_of(first.ctypes.data)
+        del first
+        second = runner.generate(SlowArray((8 << 20,), fill=2, seconds=IDLE_RETURN * 1.5))
+        assert segment_of(second.ctypes.data) == warm and (second == 2).all()
