@@ -5,6 +5,14 @@ runner's user can reach it.  Across machines (ranks placed by Ray) it is rank 0'
 TCPStore on rank 0's node address (``Bootstrap.master_addr``), listening on that
 address alone; rank 0 reports its port in its PONG and the runner passes it on in
 Kind.INIT.
+
+Timeouts: the store and the group are formed under ``start_timeout``, which also bounds
+the collectives of ``load()`` (rank 0 may download weights while the others wait in a
+broadcast).  Once ``load()`` is done the group's own timeout becomes
+``Bootstrap.group_timeout`` (``call_timeout`` plus a margin, see
+:func:`reactor_dist.timeouts.for_group`): a collective that waits longer than that
+is aborted by torch, so a rank that raised before a collective does not leave the others
+spinning for an hour.
 """
 
 from __future__ import annotations
@@ -52,3 +60,10 @@ class Rendezvous:
         backend = "nccl" if device.startswith("cuda") else "gloo"
         dist.init_process_group(backend, store=self.store, rank=boot.rank,
                                 world_size=boot.world_size, timeout=self.timeout)
+
+    def serve_calls(self) -> None:
+        """``load()`` is done: the group's collectives now wait at most
+        ``Bootstrap.group_timeout`` (torch 2.13 sets it on each backend of the group)."""
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._set_pg_timeout(timedelta(seconds=self.boot.group_timeout))

@@ -187,6 +187,8 @@ class RankServer:
             began = time.perf_counter()
             self.worker = self.boot_worker(device)
             reply[Field.LOAD_SECONDS] = time.perf_counter() - began
+            if self.boot.init_process_group and self.world_size > 1:
+                self.rendezvous.serve_calls()
         except BaseException as exc:
             reply[Field.STATUS], reply[Field.ERROR] = Status.RAISED, describe(exc)
             body = [pickle_exception(exc) or b""]

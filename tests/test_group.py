@@ -1,0 +1,25 @@
+"""The torch.distributed group a rank forms: its timeouts and its backends."""
+
+from __future__ import annotations
+
+import pytest
+from group_workers import GroupProbe
+
+from reactor_dist import DistributedRunner
+from reactor_dist.timeouts import GROUP_MARGIN, GROUP_WITHOUT_CALL_TIMEOUT, LIBRARY_CAP
+
+
+@pytest.mark.parametrize("call_timeout, want", [
+    (5.0, 5.0 + GROUP_MARGIN),
+    (7200.0, 7200.0 + GROUP_MARGIN),
+    (None, GROUP_WITHOUT_CALL_TIMEOUT),
+    (1e30, LIBRARY_CAP),
+])
+def test_the_group_timeout_follows_call_timeout_once_loaded(call_timeout, want):
+    # During start() (formation, load()) the group waits as long as start_timeout; its
+    # calls' collectives then wait call_timeout plus a margin, not start_timeout.
+    with DistributedRunner(GroupProbe, world_size=2, device="cpu", call_timeout=call_timeout,
+                           start_timeout=900.0) as runner:
+        every = runner.generate(None, timeout=60.0)
+    assert [r["load_timeout"] for r in every] == [900.0, 900.0]
+    assert [r["timeout"] for r in every] == [want, want]
