@@ -85,10 +85,10 @@ def check_torch(device: str) -> list[Check]:
     checks = [Check("torch", True, torch.__version__)]
     import torch.distributed as dist
 
+    gloo = dist.is_available() and dist.is_gloo_available()  # a CUDA group's CPU side too
+    checks.append(Check("gloo (CPU collectives)", gloo, "available" if gloo else "missing",
+                        "" if gloo else "install a torch build with distributed support"))
     if device == "cpu":
-        gloo = dist.is_available() and dist.is_gloo_available()
-        checks.append(Check("gloo (CPU collectives)", gloo, "available" if gloo else "missing",
-                            "" if gloo else "install a torch build with distributed support"))
         return checks
     if not torch.cuda.is_available():
         checks.append(Check("NCCL", False, "torch sees no CUDA device",

@@ -1,4 +1,5 @@
-"""Where a rank meets its torch.distributed group (nccl on CUDA, gloo on CPU).
+"""Where a rank meets its torch.distributed group (gloo on CPU; on CUDA gloo for CPU
+tensors and nccl for CUDA tensors).
 
 On one machine the store is a file in the runner's private 0700 directory: only the
 runner's user can reach it.  Across machines (ranks placed by Ray) it is rank 0's
@@ -13,6 +14,11 @@ broadcast).  Once ``load()`` is done the group's own timeout becomes
 :func:`reactor_dist.timeouts.for_group`): a collective that waits longer than that
 is aborted by torch, so a rank that raised before a collective does not leave the others
 spinning for an hour.
+
+Backends: torch 2.13's ``"nccl"`` serves CUDA tensors only, and a model's CPU-side
+collectives (the README Quickstart's all_gather of CPU tensors) would raise "No backend
+type associated with device type cpu".  A CUDA rank's group therefore has a backend per
+device (:data:`CUDA_BACKENDS`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,14 @@ from datetime import timedelta
 from typing import Any
 
 from .protocol import Bootstrap
+
+CPU_BACKEND = "gloo"
+CUDA_BACKENDS = "cpu:gloo,cuda:nccl"  # CPU tensors through gloo, CUDA tensors through NCCL
+
+
+def group_options(device: str) -> dict[str, Any]:
+    """The keyword arguments of ``init_process_group`` that depend on the rank's device."""
+    return {"backend": CUDA_BACKENDS if device.startswith("cuda") else CPU_BACKEND}
 
 
 class Rendezvous:
@@ -57,9 +71,8 @@ class Rendezvous:
             self.store = dist.FileStore(os.path.join(self.private_dir, "store"),
                                         boot.world_size)
             self.store.set_timeout(self.timeout)
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, store=self.store, rank=boot.rank,
-                                world_size=boot.world_size, timeout=self.timeout)
+        dist.init_process_group(store=self.store, rank=boot.rank, world_size=boot.world_size,
+                                timeout=self.timeout, **group_options(device))
 
     def serve_calls(self) -> None:
         """``load()`` is done: the group's collectives now wait at most

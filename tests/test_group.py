@@ -6,6 +6,7 @@ import pytest
 from group_workers import GroupProbe
 
 from reactor_dist import DistributedRunner
+from reactor_dist.group import group_options
 from reactor_dist.timeouts import GROUP_MARGIN, GROUP_WITHOUT_CALL_TIMEOUT, LIBRARY_CAP
 
 
@@ -23,3 +24,16 @@ def test_the_group_timeout_follows_call_timeout_once_loaded(call_timeout, want):
         every = runner.generate(None, timeout=60.0)
     assert [r["load_timeout"] for r in every] == [900.0, 900.0]
     assert [r["timeout"] for r in every] == [want, want]
+
+
+def test_a_cuda_rank_gets_a_backend_per_device_and_a_cpu_rank_gloo():
+    # nccl alone serves CUDA tensors only: a CPU-side collective on a GPU rank needs gloo.
+    assert group_options("cuda:3")["backend"] == "cpu:gloo,cuda:nccl"
+    assert group_options("cuda:0")["backend"] == "cpu:gloo,cuda:nccl"
+    assert group_options("cpu")["backend"] == "gloo"
+
+
+def test_a_cpu_group_is_gloo_and_gathers():
+    with DistributedRunner(GroupProbe, world_size=2, device="cpu") as runner:
+        every = runner.generate(None)  # all_gather_object over the group
+    assert [r["backend"] for r in every] == ["gloo", "gloo"]
