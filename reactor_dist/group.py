@@ -18,7 +18,10 @@ spinning for an hour.
 Backends: torch 2.13's ``"nccl"`` serves CUDA tensors only, and a model's CPU-side
 collectives (the README Quickstart's all_gather of CPU tensors) would raise "No backend
 type associated with device type cpu".  A CUDA rank's group therefore has a backend per
-device (:data:`CUDA_BACKENDS`).
+device (:data:`CUDA_BACKENDS`), and is bound to the rank's GPU (``device_id=``): NCCL
+then forms its communicator inside ``init_process_group``, during ``start()`` and under
+``start_timeout`` (and "rank group formed in X s" measures it), not lazily at the first
+collective inside ``load()`` or a call.
 """
 
 from __future__ import annotations
@@ -35,8 +38,14 @@ CUDA_BACKENDS = "cpu:gloo,cuda:nccl"  # CPU tensors through gloo, CUDA tensors t
 
 
 def group_options(device: str) -> dict[str, Any]:
-    """The keyword arguments of ``init_process_group`` that depend on the rank's device."""
-    return {"backend": CUDA_BACKENDS if device.startswith("cuda") else CPU_BACKEND}
+    """The keyword arguments of ``init_process_group`` that depend on the rank's device
+    (``device``: "cpu" or "cuda:<index>", as :func:`reactor_dist.device.choose_device`
+    gives it)."""
+    if not device.startswith("cuda"):
+        return {"backend": CPU_BACKEND}
+    import torch
+
+    return {"backend": CUDA_BACKENDS, "device_id": torch.device(device)}
 
 
 class Rendezvous:

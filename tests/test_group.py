@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from group_workers import GroupProbe
 
 from reactor_dist import DistributedRunner
@@ -31,6 +32,13 @@ def test_a_cuda_rank_gets_a_backend_per_device_and_a_cpu_rank_gloo():
     assert group_options("cuda:3")["backend"] == "cpu:gloo,cuda:nccl"
     assert group_options("cuda:0")["backend"] == "cpu:gloo,cuda:nccl"
     assert group_options("cpu")["backend"] == "gloo"
+
+
+def test_a_cuda_rank_binds_its_gpu_so_nccl_forms_during_start_and_a_cpu_rank_nothing():
+    assert group_options("cuda:3") == {"backend": "cpu:gloo,cuda:nccl",
+                                       "device_id": torch.device("cuda", 3)}
+    assert group_options("cuda:0")["device_id"] == torch.device("cuda", 0)
+    assert group_options("cpu") == {"backend": "gloo"}  # no device_id on CPU
 
 
 def test_a_cpu_group_is_gloo_and_gathers():
