@@ -345,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
             "joins the runner's ZeroMQ bus and torch.distributed group, calls load() once, "
             "then serves generate()/reset() until shutdown. The runner starts it with its "
             "configuration (and a per-runner secret) on stdin; wrap it with the runner's "
-            "launch_prefix option, e.g. launch_prefix=['numactl', '--cpunodebind={rank}']."
+            "launch_prefix option, e.g. launch_prefix=[sys.executable, '-m', "
+            "'reactor_dist.numa', '{rank}'] (the CPUs of the rank's GPU's NUMA node)."
         ),
     )
     parser.parse_args(argv)
