@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from typing import Any
 
 
 def maybe_cuda() -> bool:
@@ -33,3 +35,24 @@ def choose_device(requested: str, rank: int, index: int | None = None) -> str:
         )
     torch.cuda.set_device(gpu)
     return f"cuda:{gpu}"
+
+
+def cuda_to_wait_for(device: str) -> Any:
+    """``torch.cuda`` when a rank's timing must wait for its GPU, else None.
+
+    CUDA kernels run asynchronously: a rank's step returns once they are queued, so its
+    timing (and the straggler warning) would blame whichever rank copies to the host.
+    Only a CUDA rank whose process has initialised CUDA has anything queued; torch is
+    never imported nor CUDA initialised just for this."""
+    if not device.startswith("cuda"):
+        return None
+    cuda = sys.modules.get("torch.cuda")
+    return cuda if cuda is not None and cuda.is_initialized() else None
+
+
+def wait_for_device(device: str) -> None:
+    """Wait until the kernels queued on ``device`` are done (see
+    :func:`cuda_to_wait_for`); a CUDA error of this step is raised here, in this call."""
+    cuda = cuda_to_wait_for(device)
+    if cuda is not None:
+        cuda.synchronize(device)

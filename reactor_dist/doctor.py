@@ -3,7 +3,8 @@
 Each check is a :class:`Check`: a name, whether it passed (None: only information),
 what was found and, when it failed, the fix.  The last check is a real smoke run:
 ``world_size`` ranks form the torch.distributed group, run one all_reduce, and rank 0
-sends one 16 MiB frame back through shared memory.  The command prints a table and
+sends one 16 MiB frame back through shared memory (one rank forms no group: it skips the
+all_reduce).  The command prints a table and
 exits 1 when any check failed.
 """
 
@@ -37,14 +38,17 @@ class Check:
 
 
 class SmokeWorker(DistributedWorker):
-    """The smoke run's model: one all_reduce over every rank, then rank 0 fills a frame."""
+    """The smoke run's model: one all_reduce over every rank, then rank 0 fills a frame.
+    A single rank forms no group (rank.py), so it has nothing to reduce."""
 
     def generate(self, nbytes: int, /):
         import torch
-        import torch.distributed as dist
 
         total = torch.ones(1, device=self.device) * (self.rank + 1)
-        dist.all_reduce(total)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(total)
         frame = self.shared_empty(nbytes, np.uint8)
         frame[:] = self.world_size % 251
         return {"sum": float(total.item()), "frame": frame}
@@ -81,10 +85,10 @@ def check_torch(device: str) -> list[Check]:
     checks = [Check("torch", True, torch.__version__)]
     import torch.distributed as dist
 
+    gloo = dist.is_available() and dist.is_gloo_available()  # a CUDA group's CPU side too
+    checks.append(Check("gloo (CPU collectives)", gloo, "available" if gloo else "missing",
+                        "" if gloo else "install a torch build with distributed support"))
     if device == "cpu":
-        gloo = dist.is_available() and dist.is_gloo_available()
-        checks.append(Check("gloo (CPU collectives)", gloo, "available" if gloo else "missing",
-                            "" if gloo else "install a torch build with distributed support"))
         return checks
     if not torch.cuda.is_available():
         checks.append(Check("NCCL", False, "torch sees no CUDA device",
@@ -183,8 +187,9 @@ def smoke(world_size: int, device: str, frame_bytes: int) -> Check:
     except Exception as exc:
         return Check("smoke run", False, f"{type(exc).__name__}: {str(exc)[:300]}",
                      "fix the checks above first; the error names the failing rank")
+    steps = "group, all_reduce and a" if world_size > 1 else "no group (one rank), a"
     return Check("smoke run", True,
-                 f"{world_size} ranks on {device}: group, all_reduce and a "
+                 f"{world_size} rank{'s' if world_size > 1 else ''} on {device}: {steps} "
                  f"{frame_bytes / MiB:g} MiB frame back in {time.monotonic() - began:.1f} s")
 
 

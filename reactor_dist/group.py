@@ -1,10 +1,27 @@
-"""Where a rank meets its torch.distributed group (nccl on CUDA, gloo on CPU).
+"""Where a rank meets its torch.distributed group (gloo on CPU; on CUDA gloo for CPU
+tensors and nccl for CUDA tensors).
 
 On one machine the store is a file in the runner's private 0700 directory: only the
 runner's user can reach it.  Across machines (ranks placed by Ray) it is rank 0's
 TCPStore on rank 0's node address (``Bootstrap.master_addr``), listening on that
 address alone; rank 0 reports its port in its PONG and the runner passes it on in
 Kind.INIT.
+
+Timeouts: the store and the group are formed under ``start_timeout``, which also bounds
+the collectives of ``load()`` (rank 0 may download weights while the others wait in a
+broadcast).  Once ``load()`` is done the group's own timeout becomes
+``Bootstrap.group_timeout`` (``call_timeout`` plus a margin, see
+:func:`reactor_dist.timeouts.for_group`): a collective that waits longer than that
+is aborted by torch, so a rank that raised before a collective does not leave the others
+spinning for an hour.
+
+Backends: torch 2.13's ``"nccl"`` serves CUDA tensors only, and a model's CPU-side
+collectives (the README Quickstart's all_gather of CPU tensors) would raise "No backend
+type associated with device type cpu".  A CUDA rank's group therefore has a backend per
+device (:data:`CUDA_BACKENDS`), and is bound to the rank's GPU (``device_id=``): NCCL
+then forms its communicator inside ``init_process_group``, during ``start()`` and under
+``start_timeout`` (and "rank group formed in X s" measures it), not lazily at the first
+collective inside ``load()`` or a call.
 """
 
 from __future__ import annotations
@@ -15,6 +32,20 @@ from datetime import timedelta
 from typing import Any
 
 from .protocol import Bootstrap
+
+CPU_BACKEND = "gloo"
+CUDA_BACKENDS = "cpu:gloo,cuda:nccl"  # CPU tensors through gloo, CUDA tensors through NCCL
+
+
+def group_options(device: str) -> dict[str, Any]:
+    """The keyword arguments of ``init_process_group`` that depend on the rank's device
+    (``device``: "cpu" or "cuda:<index>", as :func:`reactor_dist.device.choose_device`
+    gives it)."""
+    if not device.startswith("cuda"):
+        return {"backend": CPU_BACKEND}
+    import torch
+
+    return {"backend": CUDA_BACKENDS, "device_id": torch.device(device)}
 
 
 class Rendezvous:
@@ -49,6 +80,12 @@ class Rendezvous:
             self.store = dist.FileStore(os.path.join(self.private_dir, "store"),
                                         boot.world_size)
             self.store.set_timeout(self.timeout)
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, store=self.store, rank=boot.rank,
-                                world_size=boot.world_size, timeout=self.timeout)
+        dist.init_process_group(store=self.store, rank=boot.rank, world_size=boot.world_size,
+                                timeout=self.timeout, **group_options(device))
+
+    def serve_calls(self) -> None:
+        """``load()`` is done: the group's collectives now wait at most
+        ``Bootstrap.group_timeout`` (torch 2.13 sets it on each backend of the group)."""
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._set_pg_timeout(timedelta(seconds=self.boot.group_timeout))

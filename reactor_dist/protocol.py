@@ -234,6 +234,8 @@ class Bootstrap:
     master_addr: str = ""
     curve: tuple[bytes, bytes, bytes] | None = None
     device_index: int | None = None  # its GPU among the visible ones (Ray's: 0)
+    # The group's timeout once load() is done (timeouts.for_group); start_timeout before.
+    group_timeout: float = 1800.0
 
     def to_bytes(self) -> bytes:
         data = pickle.dumps(self, protocol=5)

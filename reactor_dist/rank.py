@@ -36,7 +36,7 @@ import psutil
 import zmq
 
 from . import shm, transfer, wire
-from .device import choose_device
+from .device import choose_device, wait_for_device
 from .errors import SharedSlotAllocationFailed, describe, pickle_exception
 from .group import Rendezvous
 from .progress import FORMING, IMPORTING, LOADING, Reporter
@@ -70,6 +70,7 @@ class RankServer:
         self.world_size = boot.world_size
         self.channel = wire.Channel(boot.secret)
         self.worker: Any = None
+        self.device = "cpu"  # chosen in init()
         self.last_seq = 0
         # Rank 0's results (owned here); the runner's inputs (mapped here, copy-on-write).
         self.memory = RankMemory(boot, self.rank, self.send)
@@ -178,6 +179,7 @@ class RankServer:
                 os.environ["MASTER_PORT"] = str(port)
             device = reply[Field.DEVICE] = choose_device(self.boot.device, self.rank,
                                                          self.boot.device_index)
+            self.device = device
             began = time.perf_counter()
             if self.boot.init_process_group and self.world_size > 1:
                 self.progress.phase(FORMING)
@@ -187,6 +189,8 @@ class RankServer:
             began = time.perf_counter()
             self.worker = self.boot_worker(device)
             reply[Field.LOAD_SECONDS] = time.perf_counter() - began
+            if self.boot.init_process_group and self.world_size > 1:
+                self.rendezvous.serve_calls()
         except BaseException as exc:
             reply[Field.STATUS], reply[Field.ERROR] = Status.RAISED, describe(exc)
             body = [pickle_exception(exc) or b""]
@@ -230,9 +234,12 @@ class RankServer:
                     result = None
                     if error is not None:
                         reply[Field.STATUS] = Status.UNDELIVERABLE
+                else:
+                    wait_for_device(self.device)  # the timing ends when the GPU is done
             else:
                 began = time.perf_counter()
                 self.worker.reset()
+                wait_for_device(self.device)
         except SharedSlotAllocationFailed as exc:
             # shared_empty() allocates on rank 0 alone: a full /dev/shm there is a
             # delivery failure, not a disagreement between ranks (the others never
@@ -274,11 +281,13 @@ class RankServer:
         0 sends each item as it is yielded.  An item rank 0 cannot send is a delivery
         failure: the rest of the step still runs, its items are not sent.  Returns how
         many items were yielded and the delivery failure, if any; ``self.inside`` adds
-        up the seconds spent inside the generator (sending items is not counted)."""
+        up the seconds spent inside the generator (sending items is not counted), each
+        part until the rank's GPU is done with it."""
         count, failure = 0, None
         self.inside, began = 0.0, time.perf_counter()
         try:
             for item in steps:
+                wait_for_device(self.device)
                 self.inside += time.perf_counter() - began
                 index, count = count, count + 1
                 if self.rank == 0 and failure is None:
@@ -286,6 +295,7 @@ class RankServer:
                 del item
                 self.inbox.drain()  # the caller's releases: the next items reuse them
                 began = time.perf_counter()
+            wait_for_device(self.device)  # the work after the last item
         finally:  # the last next(): the generator ran out or raised
             self.inside += time.perf_counter() - began
             steps.close()
@@ -335,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
             "joins the runner's ZeroMQ bus and torch.distributed group, calls load() once, "
             "then serves generate()/reset() until shutdown. The runner starts it with its "
             "configuration (and a per-runner secret) on stdin; wrap it with the runner's "
-            "launch_prefix option, e.g. launch_prefix=['numactl', '--cpunodebind={rank}']."
+            "launch_prefix option, e.g. launch_prefix=[sys.executable, '-m', "
+            "'reactor_dist.numa', '{rank}'] (the CPUs of the rank's GPU's NUMA node)."
         ),
     )
     parser.parse_args(argv)

@@ -127,7 +127,7 @@ class DistributedRunner:
             init_process_group=bool(init_process_group), device=device, gpus=gpus, env=env,
             launch_prefix=[str(p) for p in launch_prefix], shm_dir=shm_dir,
             keep_free=keep_free_segments,
-            start_timeout=self.start_timeout,
+            start_timeout=self.start_timeout, call_timeout=self.call_timeout,
             shutdown_grace=check_grace(shutdown_grace), rank_output=rank_output, ray=ray)
         self._state = [NEW]  # a list, shared with the finalizer
         self._failure: BaseException | None = None

@@ -6,7 +6,9 @@ milliseconds (about 24.8 days), ``threading``'s waits stop at ``threading.TIMEOU
 Ray and torch turn seconds into 64-bit counts.  So a wait never hands its whole
 timeout to one of them: it waits in slices of at most :data:`SLICE` and loops to the
 real deadline (:func:`wait_ms`, :func:`slice_of`), and a library that keeps a timeout
-of its own gets at most :data:`LIBRARY_CAP` (:func:`for_library`).
+of its own gets at most :data:`LIBRARY_CAP` (:func:`for_library`).  The torch.distributed
+group's own timeout, once the ranks serve calls, follows ``call_timeout``
+(:func:`for_group`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from typing import Any
 SLICE = 24 * 3600.0  # seconds: the longest single wait handed to ZeroMQ, a Condition, a loop
 SLICE_MS = int(SLICE * 1000)
 LIBRARY_CAP = 100 * 365 * 24 * 3600.0  # a century: fits torch's and Ray's 64-bit counts
+# The group's timeout past call_timeout: the runner times the call out and collects the
+# silent ranks' stacks before the group aborts their collectives (NCCL ends the process).
+GROUP_MARGIN = 60.0
+GROUP_WITHOUT_CALL_TIMEOUT = 1800.0  # call_timeout=None: 30 min (torch's gloo default)
 
 
 def check_timeout(name: str, value: Any) -> float | None:
@@ -65,6 +71,16 @@ def wait_ms(seconds: float | None) -> int:
 def slice_of(seconds: float | None) -> float:
     """A wait of ``seconds`` (None: no limit) cut to at most :data:`SLICE`."""
     return SLICE if seconds is None else min(max(0.0, seconds), SLICE)
+
+
+def for_group(call_timeout: float | None) -> float:
+    """The timeout of the group's collectives once start() is done: ``call_timeout`` plus
+    :data:`GROUP_MARGIN`, or :data:`GROUP_WITHOUT_CALL_TIMEOUT` without one, so that a
+    rank that raised before a collective does not leave the others waiting in it (on
+    their GPUs) for ``start_timeout``."""
+    if call_timeout is None:
+        return GROUP_WITHOUT_CALL_TIMEOUT
+    return for_library(call_timeout + GROUP_MARGIN)
 
 
 def for_library(seconds: float | None) -> float:

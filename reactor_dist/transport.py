@@ -62,7 +62,8 @@ class Transport(CallPath):
                  init_process_group: bool, device: str, gpus: list[int] | None,
                  env: dict[str, str], launch_prefix: list[str], shm_dir: str,
                  keep_free: int, start_timeout: float | None, shutdown_grace: float,
-                 rank_output: str = "stderr", ray: RaySpec | None = None) -> None:
+                 call_timeout: float | None = 30.0, rank_output: str = "stderr",
+                 ray: RaySpec | None = None) -> None:
         self.world_size = world_size
         self.rank_output = rank_output
         self.secret = os.urandom(SECRET_SIZE)
@@ -89,6 +90,7 @@ class Transport(CallPath):
         self._worker, self._load_kwargs = worker, pickle.dumps(load_kwargs, protocol=5)
         self._init_process_group, self._device = init_process_group, device
         self._start_timeout, self._keep_free = start_timeout, keep_free
+        self._group_timeout = timeouts.for_group(call_timeout)
         self._env, self._gpus, self._launch_prefix = env, gpus, launch_prefix
         self._ray = ray
         self.placement: RayGroup | None = None  # placement="ray": the group Ray placed
@@ -201,6 +203,7 @@ class Transport(CallPath):
             worker=self._worker, load_kwargs=self._load_kwargs,
             init_process_group=self._init_process_group, device=self._device,
             start_timeout=timeouts.for_library(self._start_timeout), keep_free=self._keep_free,
+            group_timeout=self._group_timeout,
             sys_path=list(sys.path))
         return Bootstrap(**{**fields, **placed})
 

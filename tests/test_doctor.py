@@ -31,6 +31,18 @@ def test_doctor_passes_on_this_machine_with_two_cpu_ranks():
     assert "✗" not in out.stdout and lines[-1] == "all checks passed"
 
 
+def test_doctor_passes_with_one_rank_which_forms_no_group():
+    # world_size 1 is the default on a 1-GPU machine; one rank forms no group, so the
+    # smoke run must not call a collective.
+    out = run_doctor("--device", "cpu", "--world-size", "1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "reactor-dist doctor: world_size=1, device=cpu"
+    (row,) = [line for line in lines if line.startswith("✓ smoke run")]
+    assert "1 rank on cpu: no group (one rank), a 16 MiB frame back" in row
+    assert lines[-1] == "all checks passed"
+
+
 def test_doctor_fails_on_a_small_dev_shm_and_prints_the_fix():
     out = run_doctor("--device", "cpu", "--world-size", "2",
                      REACTOR_DIST_SHM_LIMIT=str(64 << 20))

@@ -6,7 +6,7 @@ import logging
 import time
 
 import pytest
-from timing_workers import Raises, RaisingSteps, SlowRank, SlowSteps
+from timing_workers import Raises, RaisingSteps, SlowRank, SlowSteps, TorchImported
 
 from reactor_dist import DistributedRunner
 from reactor_dist.timings import CallTimings, Recorder
@@ -130,3 +130,40 @@ def test_the_straggler_rule_needs_both_the_ratio_and_the_margin(caplog):
         both.record(*fake((0.010, 0.010, 0.020)))
     (record,) = stragglers(caplog)
     assert record.getMessage().startswith("rank 2 ")
+
+
+WAIT_DECISION = """
+import sys, types
+from reactor_dist.device import cuda_to_wait_for, wait_for_device
+wait_for_device("cpu"); wait_for_device("cuda:1")  # no torch imported: nothing to wait for
+print("torch" in sys.modules, cuda_to_wait_for("cpu"), cuda_to_wait_for("cuda:1"))
+import torch.cuda  # a CPU build: CUDA never initialised
+print(cuda_to_wait_for("cuda:1"))
+calls = []
+state = types.SimpleNamespace(is_initialized=lambda: True, synchronize=calls.append)
+sys.modules["torch.cuda"] = state  # CUDA initialised in this process
+wait_for_device("cpu"); wait_for_device("cuda:2")
+print(cuda_to_wait_for("cuda:2") is state, calls)
+state.is_initialized = lambda: False
+wait_for_device("cuda:2")
+print(calls)
+"""
+
+
+def test_a_rank_waits_for_its_gpu_only_on_a_cuda_device_with_cuda_initialised():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", WAIT_DECISION], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["False None None", "None", "True ['cuda:2']",
+                                       "['cuda:2']"]
+
+
+def test_timing_a_cpu_rank_never_imports_torch():
+    with runner_for(TorchImported) as runner:
+        assert runner.generate(0) is False
+        runner.reset()
+        assert list(runner.stream("steps")) == [False, False]
+        assert runner.generate(0) is False

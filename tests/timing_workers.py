@@ -77,3 +77,17 @@ class LoadsShards(DistributedWorker):
 
     def generate(self, x, /):
         return x
+
+
+class TorchImported(DistributedWorker):
+    """Answers whether torch is imported in the rank; "steps": the same as 2 items."""
+
+    def generate(self, x, /):
+        import sys
+
+        if x == "steps":
+            return (("torch" in sys.modules) for _ in range(2))
+        return "torch" in sys.modules
+
+    def reset(self) -> None:
+        pass
