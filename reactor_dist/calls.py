@@ -33,6 +33,7 @@ from .errors import WorkerCrashed, WorkerTimeout, rebuild_exception, type_name
 from .ledger import IDLE_RETURN, Ledger, Mapped
 from .outcome import RETURNED, Outcome
 from .protocol import ErrorRecord, Field, Kind, Method, Status, segments_of
+from .reclaim import MemoryReturn
 
 if TYPE_CHECKING:
     from .bus import Bus
@@ -72,7 +73,7 @@ class Undecodable(NamedTuple):
 
 
 
-class CallPath:
+class CallPath(MemoryReturn):
     """Sending calls and taking their answers (a part of Transport, which sets the
     attributes below)."""
 
@@ -84,10 +85,7 @@ class CallPath:
     results: Mapped
     owing: dict[int, int]
     interrupted: int
-    rounds: int = 0  # RECLAIM rounds asked (reclaim())
-    hungry: int | None = None  # rank 0's STARVED round not yet answered (a full pipe)
     last_sent: float = 0.0  # perf_counter when the last call was sent
-    reclaim_timeout: float | None = None  # the call being sent's timeout bounds a reclaim
     inline_limit: int = transfer.INLINE_LIMIT  # IN_BAND when a rank is on another node
 
     def crashed(self, dead: list[int], what: str) -> WorkerCrashed:
@@ -261,6 +259,10 @@ class CallPath:
                 self.take(idle, header, body)
         return True
 
+    def take_late(self, header: dict[str, Any], body: list) -> None:
+        """Apply a message while no call waits for it (late replies, death notices)."""
+        self.take(PendingCall(-1, "late", None), header, body)
+
     def take(self, pending: PendingCall, header: dict[str, Any], body: list) -> bool:
         """Apply one message to ``pending``; True when it brought one of its items.  Items
         are decoded as they come, unless the call was abandoned (then their segments go
@@ -325,69 +327,6 @@ class CallPath:
         if header[Field.KIND] == Kind.STARVED:
             self.feed(header)
         return message
-
-    # -- shared memory back to whoever needs it (drawn in reactor_dist.rank_memory) ----
-    def pass_on_releases(self) -> None:
-        """Rank 0's segments the caller let go reach it now, not with the next call."""
-        assert self.bus is not None
-        released = self.results.take_released()
-        if not released:
-            return
-        sent = False
-        try:  # a rank's full pipe: the next message carries them (never a wait here)
-            sent = self.bus.try_publish({Field.KIND: Kind.RELEASE, Field.SEQ: self.seq,
-                                         Field.RELEASED: released})
-        finally:
-            if not sent:
-                self.results.release(released)
-
-    def feed(self, starved: dict[str, Any]) -> None:
-        """Rank 0 cannot allocate a result segment: everything we can give back goes to
-        it now (our idle inputs retired, the caller's releases), as the answer to its
-        round; rank 0 then tries once more.  By the time we read STARVED, every item
-        rank 0 sent before it has been taken: what the caller still holds, it holds."""
-        assert self.bus is not None
-        self.hungry = starved.get(Field.ROUND)
-        retired = self.inputs.retire_idle()
-        released = self.results.take_released()
-        if self.bus.try_publish({Field.KIND: Kind.RELEASE, Field.SEQ: self.seq,
-                                 Field.ROUND: self.hungry, Field.RELEASED: released,
-                                 Field.RETIRED: retired}):
-            self.hungry = None
-        else:  # a rank's full pipe: tried again at each wait (never a wait here)
-            self.results.release(released)
-            self.inputs.retired_again(retired)
-
-    def reclaim(self, nbytes: int) -> None:
-        """An input of ``nbytes`` does not fit, even with our idle segments retired:
-        every rank unmaps them and rank 0 gives back its idle result segments (RECLAIM,
-        one RECLAIMED per rank), within the call's timeout; then the ledger tries once
-        more.  A rank that does not answer in time only means the allocation fails."""
-        assert self.bus is not None and self.ranks is not None
-        self.rounds += 1
-        timeout = self.reclaim_timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        released, retired = self.results.take_released(), self.inputs.take_retired()
-        try:
-            self.bus.publish({Field.KIND: Kind.RECLAIM, Field.SEQ: self.seq,
-                              Field.ROUND: self.rounds, Field.RELEASED: released,
-                              Field.RETIRED: retired}, deadline=deadline)
-        except CommandBlocked:  # a rank's full pipe: the allocation fails as it would
-            self.results.release(released)
-            self.inputs.retired_again(retired)
-            return
-        answered: set[int] = set()
-        late = PendingCall(-1, "reclaim", None)  # answers nothing: late replies are applied
-        while len(answered) < self.world_size:
-            if deadline is not None and time.monotonic() >= deadline:
-                return
-            header, body = self.wait(deadline, "reclaim", {}, None, quiet=True)
-            if header is None:
-                continue
-            if header[Field.KIND] == Kind.RECLAIMED and header.get(Field.ROUND) == self.rounds:
-                answered.add(header[Field.RANK])
-            else:
-                self.take(late, header, body)
 
     def finish(self, pending: PendingCall) -> list[Outcome]:
         """Wait for the end of an abandoned call, its remaining items handed back unread

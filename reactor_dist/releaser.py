@@ -6,7 +6,7 @@ writes one byte to a pipe (no lock, nothing that could deadlock inside a garbage
 collection).  This thread wakes on that byte, waits RELEASE_DELAY so that a call
 sent meanwhile takes the names itself (in its RELEASED field, for free), and
 publishes what is left as one RELEASE command.  During a call the caller's own
-waits pass releases on (:meth:`reactor_dist.calls.CallPath.pass_on_releases`).
+waits pass releases on (:meth:`reactor_dist.reclaim.MemoryReturn.pass_on_releases`).
 
 It also keeps the caller's mappings of rank 0's segments a cache, not a hoard: once
 no call was sent for IDLE_RETURN seconds, mappings nobody views are dropped (rank 0
