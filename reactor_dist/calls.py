@@ -135,7 +135,7 @@ class CallPath:
             except Exception as exc:
                 raise TypeError(
                     f"the input of generate() cannot be pickled ({type(exc).__name__}: {exc}); "
-                    f"inputs must pickle: plain data, numpy arrays, CPU tensors, module-level "
+                    f"inputs must pickle: plain data, numpy arrays, tensors, module-level "
                     f"classes"
                 ) from exc
             if descriptors:

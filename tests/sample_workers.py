@@ -591,3 +591,13 @@ class TorchrunStyleWorker(DistributedWorker):
 
     def reset(self) -> None:
         pass
+
+
+@dataclasses.dataclass
+class MetaTensor(Step):
+    """Returns a tensor on the ``meta`` device (no data: it cannot reach the CPU)."""
+
+    def run(self, worker: Echo):
+        import torch
+
+        return {"t": torch.empty(3, device="meta")}
