@@ -152,7 +152,7 @@ class WriteInput(Step):
 
 
 ENVIRONMENT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-               "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "EXTRA", "PREFIXED")
+               "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "EXTRA", "PREFIXED", "OMP_NUM_THREADS")
 
 
 @dataclasses.dataclass
