@@ -133,7 +133,7 @@ class CallPath(MemoryReturn):
             except Exception as exc:
                 raise TypeError(
                     f"the input of generate() cannot be pickled ({type(exc).__name__}: {exc}); "
-                    f"inputs must pickle: plain data, numpy arrays, CPU tensors, module-level "
+                    f"inputs must pickle: plain data, numpy arrays, tensors, module-level "
                     f"classes"
                 ) from exc
             if descriptors:

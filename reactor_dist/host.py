@@ -36,6 +36,7 @@ import zmq
 
 from .processes import Ranks, end_ranks
 from .protocol import Bootstrap
+from .ray_view import gpu_view, set_rank_threads
 
 KEEPALIVE = (1, 1, 3)  # idle s, interval s, probes: a silent dead peer found in ~4 s
 
@@ -52,11 +53,13 @@ class RankHost:
         self._public, self._secret = zmq.curve_keypair()
         self._lifeline: socket.socket | None = None
 
-    def where(self) -> tuple[str, int, bytes]:
-        """(Ray node id, this host's pid, the rank's CurveZMQ public key)."""
+    def where(self) -> tuple[str, int, bytes, list[str], str | None]:
+        """(Ray node id, this host's pid, the rank's CurveZMQ public key, the GPU ids Ray
+        gave it, the CUDA_VISIBLE_DEVICES it sees)."""
         import ray
 
-        return ray.get_runtime_context().get_node_id(), os.getpid(), self._public
+        return (ray.get_runtime_context().get_node_id(), os.getpid(), self._public,
+                *gpu_view())
 
     def free_port(self, address: str) -> int:
         """A free TCP port at ``address`` on this node (MASTER_PORT)."""
@@ -65,13 +68,16 @@ class RankHost:
             return s.getsockname()[1]
 
     def launch(self, bootstrap: bytes, env: dict[str, str], launch_prefix: list[str],
-               torch_env: dict[str, str], lifeline: tuple[str, int] | None) -> int:
-        """Start the rank; its pid.  ``lifeline``: the runner's address to hold on to."""
+               torch_env: dict[str, str], lifeline: tuple[str, int] | None,
+               threads: str | None = None) -> int:
+        """Start the rank; its pid.  ``lifeline``: the runner's address to hold on to;
+        ``threads``: the runner's OMP_NUM_THREADS (the rank's, not Ray's)."""
         boot = Bootstrap.read_bytes(bootstrap)
         if boot.curve is not None:  # the secret key is born here and stays here
             boot = dataclasses.replace(boot, curve=(boot.curve[0], self._public, self._secret))
         if lifeline is not None:  # first: a runner already gone gets no rank started
             self._hold(lifeline)
+        set_rank_threads(threads)
         self.ranks.spawn(self.rank, boot.to_bytes(), master_port=0, env=env, gpus=None,
                          launch_prefix=launch_prefix, torch_env=torch_env)
         return self.ranks.procs[0].pid

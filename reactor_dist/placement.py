@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import threading
 import time
@@ -33,6 +34,7 @@ from typing import Any
 from .errors import PlacementFailed, WorkerTimeout
 from .host import RankHost
 from .protocol import Bootstrap, torchrun_env
+from .ray_view import THREADS_ENV, check_own_gpus, local_place
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 RAY_EXTRA = "pip install 'reactor-dist[ray]'"
@@ -211,8 +213,16 @@ class RayGroup:
                       for r, h in enumerate(hosts)]
         wheres = self._get([h.where.remote() for h in hosts], timeout, "start the ranks' hosts")
         self.ranks = [HostedRank(r, h, node, self.addresses[node], pid, node == self.node)
-                      for r, (h, (node, pid, _)) in enumerate(zip(hosts, wheres, strict=True))]
-        self.keys = {r: key for r, (*_, key) in enumerate(wheres)}
+                      for r, (h, (node, pid, *_)) in enumerate(zip(hosts, wheres, strict=True))]
+        self.keys = {r: where[2] for r, where in enumerate(wheres)}
+        if self.own_gpus:  # cuda:0 must be each rank's own GPU
+            check_own_gpus([(r, node, gpus, visible)
+                            for r, (node, _, _, gpus, visible) in enumerate(wheres)])
+
+    @property
+    def own_gpus(self) -> bool:
+        """Ray assigns each rank GPUs of its own (its CUDA_VISIBLE_DEVICES)."""
+        return self.bundle.get("GPU", 0) > 0
 
     def _get(self, refs: Any, timeout: float, what: str) -> Any:
         """ray.get within what is left of start_timeout (a WorkerTimeout past it)."""
@@ -240,13 +250,13 @@ class RayGroup:
                                 "reach rank 0's host")
         lifeline = self._open_lifeline()
         calls = []
+        nodes = [r.node for r in self.ranks]
         for hosted, boot in zip(self.ranks, boots, strict=True):
-            same_node = [r.rank for r in self.ranks if r.node == hosted.node]
-            torch_env = torchrun_env(hosted.rank, self.world_size, master_port,
-                                     master.address, (same_node.index(hosted.rank),
-                                                      len(same_node)))
+            torch_env = torchrun_env(hosted.rank, self.world_size, master_port, master.address,
+                                     local_place(hosted.rank, nodes, self.own_gpus))
             calls.append(hosted.host.launch.remote(  # {rank} is filled in by Ranks.spawn
-                boot.to_bytes(), env, launch_prefix, torch_env, lifeline))
+                boot.to_bytes(), env, launch_prefix, torch_env, lifeline,
+                os.environ.get(THREADS_ENV)))
         pids = self._get(calls, deadline - time.monotonic(), "start the ranks")
         for hosted, pid in zip(self.ranks, pids, strict=True):
             hosted.pid = pid

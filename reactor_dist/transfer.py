@@ -15,6 +15,11 @@ viewing the shared memory itself.
 Besides what numpy already sends out of band (C- or F-contiguous arrays), the
 pickler sends non-contiguous arrays (as one contiguous copy) and CPU torch
 tensors (as their raw bytes) out of band too, instead of a large in-band pickle.
+
+A tensor (or storage) on any other device (CUDA, MPS, ...) is copied to the CPU first
+(:func:`on_cpu`) and arrives as a CPU tensor: torch's own pickling of it would put the
+whole storage in-band and rebuild it with ``torch.load`` on the receiver's device,
+initialising CUDA in the application (or failing where it has none).
 """
 
 from __future__ import annotations
@@ -51,6 +56,23 @@ def _rebuild_readonly(array: np.ndarray) -> np.ndarray:
     return array
 
 
+def on_cpu(obj: Any) -> Any:
+    """What a torch tensor or storage crosses as: itself on the CPU; from any other
+    device (``device.type != "cpu"``) its ``.detach().cpu()`` copy, so that the receiver
+    never rebuilds it on a device of its own.  A TypeError where no copy can be made
+    (a ``meta`` tensor has no data)."""
+    if obj.device.type == "cpu":
+        return obj
+    try:
+        return (obj.detach() if hasattr(obj, "detach") else obj).cpu()
+    except Exception as exc:
+        raise TypeError(
+            f"a torch {type(obj).__name__} on device {str(obj.device)!r} cannot be sent: "
+            f"tensors cross the runner through the CPU, and copying it there failed "
+            f"({type(exc).__name__}: {exc}). Send a tensor that holds data (on the CPU or "
+            f"a GPU); it arrives on the CPU (move it with .to(device))") from exc
+
+
 class _Pickler(pickle.Pickler):
     # Called with the size of each contiguous copy before it is made: may refuse it.
     admit: Callable[[int], None] = staticmethod(lambda nbytes: None)
@@ -65,15 +87,27 @@ class _Pickler(pickle.Pickler):
                 return _rebuild_readonly, (copy,)
             return copy.__reduce_ex__(5)
         torch = sys.modules.get("torch")
-        if torch is not None and type(obj) is torch.Tensor and obj.device.type == "cpu":
+        if torch is None:
+            return NotImplemented
+        if isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
+            # torch pickles a storage with torch.save; torch.load would restore it on its
+            # device in the receiver: a non-CPU one crosses as its CPU copy.
+            return NotImplemented if obj.device.type == "cpu" else on_cpu(obj).__reduce_ex__(5)
+        if isinstance(obj, torch.Tensor) and type(obj) is not torch.Tensor:
+            if obj.device.type == "cpu" or isinstance(obj, torch.nn.Parameter):
+                return NotImplemented  # a Parameter pickles its .data, a plain tensor
+            return on_cpu(obj).__reduce_ex__(5)  # a subclass, reduced as on the CPU
+        if type(obj) is torch.Tensor:
+            requires_grad = obj.requires_grad
+            obj = on_cpu(obj)
             if obj.is_sparse or obj.is_quantized or obj.is_nested:
-                return NotImplemented
+                return obj.__reduce_ex__(5)
             if not obj.is_contiguous():
                 self.admit(obj.nbytes)
             flat = obj.detach().contiguous().reshape(-1)
             raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
             dtype = str(obj.dtype).removeprefix("torch.")
-            return _rebuild_tensor, (raw, dtype, tuple(obj.shape), obj.requires_grad)
+            return _rebuild_tensor, (raw, dtype, tuple(obj.shape), requires_grad)
         return NotImplemented
 
 

@@ -186,7 +186,7 @@ class Transport(CallPath):
             self.ranks.adopt(hosted)
             boots.append(self._bootstrap(
                 hosted.rank, master_addr=group.ranks[0].address if remote else "",
-                device_index=0 if group.bundle.get("GPU") else None,  # Ray's GPUs alone
+                device_index=0 if group.own_gpus else None,  # its own GPUs alone (ray_view)
                 **({} if hosted.local else {**remote, "runner_pid": hosted.host_pid})))
         group.watch(self.ranks.watch.notice)
         bounds = {MAX_FRAME_ENV: str(wire.MAX_FRAME), MAX_MESSAGE_ENV: str(wire.MAX_MESSAGE)}

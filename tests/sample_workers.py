@@ -152,7 +152,7 @@ class WriteInput(Step):
 
 
 ENVIRONMENT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-               "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "EXTRA", "PREFIXED")
+               "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "EXTRA", "PREFIXED", "OMP_NUM_THREADS")
 
 
 @dataclasses.dataclass
@@ -591,3 +591,13 @@ class TorchrunStyleWorker(DistributedWorker):
 
     def reset(self) -> None:
         pass
+
+
+@dataclasses.dataclass
+class MetaTensor(Step):
+    """Returns a tensor on the ``meta`` device (no data: it cannot reach the CPU)."""
+
+    def run(self, worker: Echo):
+        import torch
+
+        return {"t": torch.empty(3, device="meta")}

@@ -131,21 +131,51 @@ def test_rank_1_on_the_other_node_gets_16_mb_inputs_and_joins_the_group(cluster)
     assert nothing_reserved()
 
 
-def test_each_rank_sees_the_gpu_ray_gave_it_and_its_place_on_its_node(cluster):
+def test_each_rank_sees_the_gpu_ray_gave_it_and_its_place_on_its_node(cluster, monkeypatch):
     """Ray's GPU assignment is the rank's CUDA_VISIBLE_DEVICES (Ray only counts these
-    GPUs: the ranks compute on CPU); LOCAL_RANK counts the ranks on each node."""
-    with placed_runner(ray_bundle={"CPU": 1, "GPU": 1}, ray_strategy="PACK",
+    GPUs: the ranks compute on CPU), so each rank is alone on what it sees: LOCAL_RANK 0
+    of 1 (cuda:LOCAL_RANK is its GPU). Without GPUs LOCAL_RANK counts the ranks on each
+    node. OMP_NUM_THREADS is the runner's (or none), never Ray's 1."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    with placed_runner(ray_bundle={"GPU": 1}, ray_strategy="PACK",
                        init_process_group=True) as runner:
         every = runner.generate(GatherEnvironment())
     env = [e["env"] for e in every]
     assert sorted(e["CUDA_VISIBLE_DEVICES"] for e in env) == ["0", "1"]
     assert [(e["RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in env] == [
-        ("0", "0", "2"), ("1", "1", "2")]
+        ("0", "0", "1"), ("1", "0", "1")]
     assert {e["MASTER_ADDR"] for e in env} == {"127.0.0.1"}
+    assert [e["OMP_NUM_THREADS"] for e in env] == ["3", "3"]
     assert [e["device"] for e in every] == ["cpu", "cpu"]
-    with placed_runner(ray_strategy="STRICT_SPREAD", init_process_group=True) as runner:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with placed_runner(ray_bundle={"CPU": 1}, ray_strategy="STRICT_PACK",
+                       init_process_group=True) as runner:
         env = [e["env"] for e in runner.generate(GatherEnvironment())]
-    assert [(e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in env] == [("0", "1"), ("0", "1")]
+    assert [(e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in env] == [("0", "2"), ("1", "2")]
+    assert [e["OMP_NUM_THREADS"] for e in env] == [None, None]
+
+
+def test_ranks_sharing_a_gpu_are_refused_at_start(cluster):
+    """A fractional GPU bundle lets Ray put both ranks on one GPU: refused, not run."""
+    runner = placed_runner(ray_bundle={"GPU": 0.5}, ray_strategy="STRICT_PACK")
+    try:
+        with pytest.raises(PlacementFailed, match=r"ranks 0 and 1 share GPU \d on node .*"
+                                                  r"ray_bundle=\{'GPU': 1\}"):
+            runner.start()
+    finally:
+        runner.shutdown()
+    assert not runner.healthy and nothing_reserved()
+
+
+def test_a_rank_that_sees_more_than_its_gpus_is_refused():
+    """What RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 leaves a rank: every GPU."""
+    from reactor_dist.ray_view import check_own_gpus
+
+    check_own_gpus([(0, "n1", ["0"], "0"), (1, "n1", ["1"], "1"), (2, "n2", ["0"], "0")])
+    with pytest.raises(PlacementFailed, match=r"rank 1 sees CUDA_VISIBLE_DEVICES=<unset: "
+                                              r"every GPU> but Ray gave it GPU 1.*Unset "
+                                              r"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"):
+        check_own_gpus([(0, "n1", ["0"], "0"), (1, "n1", ["1"], None)])
 
 
 def test_rank_0_on_another_node_sends_its_results_over_the_bus(cluster):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -17,10 +18,10 @@ import pytest
 import torch
 from conftest import our_shm_entries, segment_of
 from probe import Probe
-from sample_workers import Echo, FullArray, SharedArray, WriteInput
+from sample_workers import Echo, FullArray, MetaTensor, SharedArray, WriteInput
 
 from reactor_dist import DistributedRunner, SharedSlotAllocationFailed, WorkerCrashed, shm
-from reactor_dist.transfer import INLINE_LIMIT
+from reactor_dist.transfer import INLINE_LIMIT, dumps, on_cpu
 
 BIG = 4 * INLINE_LIMIT  # surely out of band, through a segment
 
@@ -138,6 +139,47 @@ def test_cpu_tensors_round_trip_out_of_band(echo2, dtype):
 def test_tensor_requires_grad_survives(echo2):
     tensor = torch.ones(BIG // 4, requires_grad=True)
     assert echo2.generate(tensor).requires_grad
+
+
+def test_a_cpu_tensor_crosses_unchanged_and_out_of_band():
+    tensor = torch.arange(BIG // 4, dtype=torch.float32)
+    assert on_cpu(tensor) is tensor  # no copy decided for a CPU tensor
+    stream, buffers = dumps({"t": tensor})
+    assert [b.raw().tobytes() for b in buffers] == [tensor.numpy().tobytes()]
+    out = pickle.loads(stream, buffers=buffers)["t"]
+    assert out.device.type == "cpu" and torch.equal(out, tensor)
+
+
+META_MESSAGE = (r"a torch \w+ on device 'meta' cannot be sent: tensors cross "
+                r"the runner through the CPU, and copying it there failed \(NotImplementedError: "
+                r"Cannot copy out of meta tensor.*it arrives on the CPU \(move it with "
+                r"\.to\(device\)\)")
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass: torch pickles it through its storage."""
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.empty(3, device="meta"),
+    lambda: torch.empty(3, device="meta").untyped_storage(),
+    lambda: torch.nn.Parameter(torch.empty(3, device="meta")),
+    lambda: torch.empty(3, device="meta").as_subclass(Tagged),
+], ids=["tensor", "storage", "parameter", "subclass"])
+def test_no_tensor_off_the_cpu_is_pickled_by_torch_itself(make):
+    """Every device but the CPU goes through on_cpu(): meta, which has no data to copy,
+    is a TypeError saying so (torch's own pickling would have sent it)."""
+    with pytest.raises(TypeError, match=META_MESSAGE):
+        dumps([make()])
+
+
+def test_a_meta_tensor_input_or_result_is_a_clear_type_error(echo2):
+    with pytest.raises(TypeError, match="the input of generate\\(\\) cannot be pickled .*"
+                                        + META_MESSAGE):
+        echo2.generate({"t": torch.empty(3, device="meta")})
+    with pytest.raises(TypeError, match=META_MESSAGE):
+        echo2.generate(MetaTensor())
+    assert echo2.healthy and echo2.generate(3) == 3
 
 
 def test_large_payloads_never_travel_in_band():
