@@ -56,12 +56,14 @@ class Ledger:
 
     def __init__(self, directory: str, prefix: str, tag: str, keep_free: int = 2,
                  token: Callable[[], str] = lambda: secrets.token_hex(8),
-                 reclaim: Callable[[int], None] | None = None) -> None:
+                 reclaim: Callable[[int], None] | None = None,
+                 before_close: Callable[[Segment], None] = lambda seg: None) -> None:
         self.directory, self.prefix, self.tag, self.keep_free = directory, prefix, tag, keep_free
         self.token = token  # a segment's name: prefix, tag and a random token (not a counter)
         # Asks the other side to give back what it keeps (its idle segments, and ours it
         # still maps) before an allocation is refused; told how many bytes are wanted.
         self.reclaim = reclaim
+        self.before_close = before_close  # told before a segment is unmapped (host_pinning)
         self.segments: dict[str, Segment] = {}
         self.holders: dict[str, Counter] = {}  # name -> who still holds it; empty = idle
         self.idle: list[str] = []  # oldest first
@@ -186,6 +188,7 @@ class Ledger:
     def close(self) -> None:
         self._pending.clear()
         for seg in self.segments.values():
+            self.before_close(seg)
             seg.close(unlink=True)
         self.segments.clear()
         self.holders.clear()
@@ -209,7 +212,9 @@ class Ledger:
     def _retire(self, keep: int) -> None:
         while len(self.idle) > keep:
             name = self.idle.pop(0)
-            self.segments.pop(name).close(unlink=True)
+            seg = self.segments.pop(name)
+            self.before_close(seg)
+            seg.close(unlink=True)
             del self.holders[name]
             self._retired.append(name)
 

@@ -179,7 +179,7 @@ class RankServer:
                 os.environ["MASTER_PORT"] = str(port)
             device = reply[Field.DEVICE] = choose_device(self.boot.device, self.rank,
                                                          self.boot.device_index)
-            self.device = device
+            self.device = self.memory.device = device
             began = time.perf_counter()
             if self.boot.init_process_group and self.world_size > 1:
                 self.progress.phase(FORMING)

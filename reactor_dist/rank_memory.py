@@ -31,6 +31,7 @@ import numpy as np
 import zmq
 
 from . import shm, wire
+from .host_pinning import HostPinning, cuda_runtime_of
 from .ledger import IDLE_RETURN, Ledger, Mapped
 from .protocol import Bootstrap, Field, Kind
 
@@ -100,8 +101,11 @@ class RankMemory:
     def __init__(self, boot: Bootstrap, rank: int,
                  send: Callable[[dict[str, Any]], None]) -> None:
         self.boot, self.send = boot, send
+        self.device = "cpu"  # the rank's, once chosen: a CUDA rank page-locks its results
+        self.pinning = HostPinning(cuda_runtime_of(lambda: self.device))
         self.results = Ledger(boot.shm_dir, boot.shm_prefix, f"r{rank}-",
-                              keep_free=boot.keep_free, reclaim=self.starve)
+                              keep_free=boot.keep_free, reclaim=self.starve,
+                              before_close=self.pinning.unpin)
         prefix = boot.shm_prefix + "."
         self.inputs = Mapped(lambda name: shm.PrivateView(boot.shm_dir, name),
                              lambda name: "/" not in name and name.startswith(prefix))
@@ -175,6 +179,7 @@ class RankMemory:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         seg = self.results.acquire(max(nbytes, 1), f"shared_empty({shape}, {dtype})",
                                    holders=[WORKER])
+        self.pinning.pin(seg)  # a device-to-host copy into it at full speed
         base = np.frombuffer(seg.mm, np.uint8)
         weakref.finalize(base, self.results.release, seg.name, WORKER)
         return base[:nbytes].view(dtype).reshape(shape)
