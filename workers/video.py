@@ -15,7 +15,8 @@ done, so the first frames reach the caller long before the chunk's end. For each
   groups and chunks continue each other without a seam;
 * a small conv decoder upsamples the latents and maps them through a colour palette;
 * the group's uint8 frames are gathered onto rank 0, straight into a shared-memory
-  buffer from ``shared_empty`` so that handing them to the caller costs no copy.
+  buffer from ``shared_empty`` so that handing them to the caller costs no copy (on a
+  GPU, NCCL gathers into one device buffer and one copy moves it into that buffer).
 
 Everything runs in float64 and every per-frame quantity depends only on the frame's
 global index, never on how frames are split: the uint8 frames at world_size 2 or 4, in
@@ -128,6 +129,7 @@ class ParallelVideoModel:
         self.transition = transition
         self.weights = self._init_weights(weights_seed, latent_channels, hidden)
         self.state = _Rollout()
+        self.gathered: torch.Tensor | None = None  # rank 0's device buffer for a GPU gather
 
     # -- weights -------------------------------------------------------------------
     def _init_weights(self, seed: int, c: int, hidden: int) -> dict[str, torch.Tensor]:
@@ -273,24 +275,26 @@ class ParallelVideoModel:
 
     def _gather(self, rgb: torch.Tensor) -> np.ndarray | None:
         """Gather every rank's frames of a group onto rank 0 into one contiguous uint8
-        array, a fresh ``shared_empty`` buffer per group."""
+        array, a fresh ``shared_empty`` buffer per group: on the CPU (gloo) straight
+        into it; on a GPU (NCCL gathers into device memory only) into one device buffer
+        kept across groups, then one device-to-host copy into it (page-locked there)."""
         if self.rank == 0:
             out = self.alloc((self.G, self.H, self.W, 3), np.dtype(np.uint8))
         if self.world_size == 1:
-            out[:] = rgb.cpu().numpy()
+            torch.from_numpy(out).copy_(rgb)
             return out
-        on_cpu = rgb.device.type == "cpu"
         if self.rank != 0:
             dist.gather(rgb.contiguous(), None, dst=0)
             return None
-        if on_cpu:  # gather straight into the shared-memory result: no extra copy
-            views = [torch.from_numpy(out[r * self.local_G : (r + 1) * self.local_G])
-                     for r in range(self.world_size)]
-            dist.gather(rgb.contiguous(), views, dst=0)
-        else:
-            parts = [torch.empty_like(rgb) for _ in range(self.world_size)]
-            dist.gather(rgb.contiguous(), parts, dst=0)
-            out[:] = torch.cat(parts).cpu().numpy()
+        host = torch.from_numpy(out)
+        on_cpu = rgb.device.type == "cpu"
+        if not on_cpu and (self.gathered is None or self.gathered.shape != host.shape):
+            self.gathered = torch.empty(host.shape, dtype=torch.uint8, device=rgb.device)
+        into = host if on_cpu else self.gathered
+        views = [into[r * self.local_G : (r + 1) * self.local_G] for r in range(self.world_size)]
+        dist.gather(rgb.contiguous(), views, dst=0)
+        if not on_cpu:
+            host.copy_(into)
         return out
 
 
