@@ -53,7 +53,9 @@ bench-quick: venv
 bench-per-call: venv
 	$(PY) -m benchmarks.per_call
 
-# On a machine with CUDA: the GPU-marked tests and frame timings on one GPU.
+# First contact with this machine's GPUs (all of them, up to 8): the GPU-marked tests at
+# world_size N with NCCL, the README Quickstart, the demo on CUDA, frame timings; one table,
+# under 8 minutes. A driver without CUDA in torch fails (see TORCH_SPEC); no GPU: exit 0.
 gpu-check: venv
 	$(PY) -m benchmarks.gpu_check
 
