@@ -80,8 +80,7 @@ async def collect(transport: Transport, pending: PendingCall, until_item: bool =
     readable = Readable(bus.pull, bus.pull_fd)
     try:
         while len(pending.replies) < transport.world_size:
-            if transport.results.has_released():
-                transport.pass_on_releases()
+            transport.flush()
             # Ask ZeroMQ first: a receive that finds nothing costs an exception.
             if not bus.pull_events() & zmq.POLLIN:
                 left = None if deadline is None else deadline - time.monotonic()

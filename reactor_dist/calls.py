@@ -304,10 +304,7 @@ class CallPath(MemoryReturn):
         WorkerTimeout once ``deadline`` passed (``quiet``: not even then).  Applies the
         ledger fields every message carries."""
         assert self.bus is not None
-        if self.results.has_released():
-            self.pass_on_releases()
-        if self.hungry is not None:
-            self.feed({Field.ROUND: self.hungry})
+        self.flush()
         if deadline is None:
             message = self.bus.receive(-1)
         else:

@@ -41,6 +41,14 @@ class MemoryReturn:
     def take_late(self, header: dict[str, Any], body: list) -> None:
         raise NotImplementedError
 
+    def flush(self) -> None:
+        """Before any wait of the caller: pass on the releases, and an answer to rank 0's
+        STARVED that a full pipe held back (cheap when there is neither)."""
+        if self.results.has_released():
+            self.pass_on_releases()
+        if self.hungry is not None:
+            self.feed({Field.ROUND: self.hungry})
+
     def pass_on_releases(self) -> None:
         """Rank 0's segments the caller let go reach it now, not with the next call."""
         assert self.bus is not None

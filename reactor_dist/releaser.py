@@ -43,6 +43,8 @@ class Releaser:
 
     def notify(self) -> None:
         """A name was queued (from a finalizer: must never block or raise)."""
+        if self._closed:
+            return  # the pipe's descriptors may belong to another file by now
         with contextlib.suppress(OSError):  # full pipe: a wake-up is pending anyway
             os.write(self._write, b"r")
 
@@ -69,7 +71,8 @@ class Releaser:
         if self._closed:
             return
         self._closed = True
-        self.notify()
+        with contextlib.suppress(OSError):
+            os.write(self._write, b"r")  # wake the thread: it sees _closed and ends
         self._thread.join(timeout=5)
         os.close(self._read)
         os.close(self._write)

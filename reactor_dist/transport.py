@@ -18,10 +18,9 @@ import sys
 import time
 from typing import Any
 
-import psutil
 import zmq
 
-from . import descriptors, shm, timeouts, transfer, wire
+from . import descriptors, shm, stacks, timeouts, transfer, wire
 from .bus import Bus, CommandBlocked, private_dir, reclaim_dead_ipc_dirs
 from .calls import CallPath, Replies
 from .errors import (
@@ -298,8 +297,8 @@ class Transport(CallPath):
         stopped ones, else those still running an interrupted call, else all (ZeroMQ does
         not say whose pipe it is)."""
         assert self.ranks is not None and self.bus is not None
-        stopped = [r for r, p in enumerate(self.ranks.procs) if not p.hosted and
-                   (_stopped(p.pid) or _stopped(p.launcher_pid))]
+        stopped = [r for r, p in enumerate(self.ranks.procs)
+                   if not p.hosted and stacks.stopped_note(p) is not None]
         suspects = stopped or sorted(self.owing) or list(range(self.world_size))
         which = "stopped" if stopped else "still running an interrupted call" \
             if self.owing else "one of them"
@@ -333,6 +332,7 @@ class Transport(CallPath):
             log.info("shut down %d rank%s (%s)", len(procs), "s" if len(procs) != 1 else "",
                      "gracefully" if grace else "without grace")
         if self.releaser is not None:
+            self.results.notify = lambda: None  # results may outlive us: no stale pipe
             self.releaser.close()  # before the bus: it may be publishing
             self.releaser = None
         if self.bus is not None:
@@ -349,11 +349,3 @@ class Transport(CallPath):
             os.close(self._owner_lock)
             self._owner_lock = -1
 
-
-def _stopped(pid: int | None) -> bool:
-    """Whether process ``pid`` is stopped (SIGSTOP, a debugger): it reads nothing."""
-    try:
-        return pid is not None and psutil.Process(pid).status() in (
-            psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
-    except psutil.Error:
-        return False

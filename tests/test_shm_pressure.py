@@ -79,3 +79,22 @@ def test_a_call_longer_than_the_idle_time_gets_its_result_in_the_warm_segment():
         del first
         second = runner.generate(SlowArray((8 << 20,), fill=2, seconds=IDLE_RETURN * 1.5))
         assert segment_of(second.ctypes.data) == warm and (second == 2).all()
+
+
+def test_a_result_kept_past_shutdown_writes_to_no_descriptor_of_ours_when_dropped():
+    """The releaser's wake pipe is closed at shutdown and its numbers go to the next
+    files opened: a result dropped later must not write its wake-up byte into them."""
+    with DistributedRunner(Echo, world_size=2, init_process_group=False,
+                           device="cpu") as runner:
+        kept = runner.generate(FullArray((1 << 20,), fill=3))
+        number = runner._transport.releaser._write
+    read, write = os.pipe()
+    os.dup2(write, number)  # a file of ours now has the releaser's old number
+    try:
+        os.set_blocking(read, False)
+        del kept
+        with pytest.raises(BlockingIOError):
+            os.read(read, 16)
+    finally:
+        for fd in {read, write, number}:
+            os.close(fd)
