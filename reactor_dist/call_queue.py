@@ -127,10 +127,11 @@ class CallQueue:
         """Take a turn (first come, first served), wait for room in flight at most
         ``timeout`` (CallQueueFull), publish.  A ``future`` call has no waiter: the
         collector receives for it."""
-        with self.lock:
-            call = self.send_locked(method, value, timeout, future)
-        self.settle_futures()
-        return call
+        try:
+            with self.lock:
+                return self.send_locked(method, value, timeout, future)
+        finally:
+            self.settle_futures()  # a failure to send may have failed the calls in flight
 
     def send_locked(self, method: str, value: Any, timeout: float | None,
                     future: Future | None = None) -> Call:
@@ -200,14 +201,16 @@ class CallQueue:
     # -- waiting (threads; asyncio: reactor_dist.aio) ------------------------------------------
     def call(self, method: str, value: Any, timeout: float | None) -> Any:
         """Send and wait for the answer: rank 0's value, or the contract's error."""
-        with self.lock:
-            call = self.send_locked(method, value, timeout)
-            try:
-                self.receiver.pump(lambda: call.done)
-            except BaseException:  # interrupted (Ctrl-C): the ranks still run it
-                self.leave(call)
-                raise
-        self.settle_futures()
+        try:
+            with self.lock:
+                call = self.send_locked(method, value, timeout)
+                try:
+                    self.receiver.pump(lambda: call.done)
+                except BaseException:  # interrupted (Ctrl-C): the ranks still run it
+                    self.leave(call)
+                    raise
+        finally:
+            self.settle_futures()
         return call.result()
 
     def submit(self, method: str, value: Any, timeout: float | None) -> Future:
