@@ -264,13 +264,15 @@ class Bus:
             return None
         return header, body
 
-    def tell_death(self, ranks: list[int]) -> None:
-        """In the death watch's thread: wake the caller's wait with a notice."""
+    def tell_death(self, ranks: list[int], epoch: int = 0) -> None:
+        """In the death watch's thread: wake the caller's wait with a notice (``epoch``:
+        the generation of ranks it watched; a restart makes older notices stale)."""
         with contextlib.suppress(zmq.ZMQError):
             push = wire.bounded(self.ctx.socket(zmq.PUSH))
             push.setsockopt(zmq.LINGER, 1000)
             push.connect(self.death_addr)
-            notice = {Field.KIND: Kind.DEATH, Field.SEQ: 0, Field.RANK: ranks[0]}
+            notice = {Field.KIND: Kind.DEATH, Field.SEQ: 0, Field.RANK: ranks[0],
+                      Field.EPOCH: epoch}
             wire.Channel(self.secret).send(push.send, notice)
             push.close()
 

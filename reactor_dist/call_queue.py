@@ -40,7 +40,8 @@ from .calls import Call, CallPath, compute_seconds
 from .errors import CallQueueFull, WorkerCrashed, WorkerTimeout, failed_behind
 from .outcome import judge
 from .protocol import Field, Kind
-from .receiving import Receiver
+from .receiving import WAKE, Receiver
+from .restarts import RESTARTING, Restarts
 from .timings import Recorder
 from .transport import Transport
 
@@ -65,6 +66,7 @@ class CallQueue:
         self.turns: collections.deque[object] = collections.deque()  # callers waiting to send
         self.settled: collections.deque[Call] = collections.deque()  # futures to settle
         self.left: collections.deque[Call] = collections.deque()  # leave_soon()'s
+        self.restarts: Restarts | None = None  # set by the runner once built
 
     # -- state ------------------------------------------------------------------------------
     def open(self) -> None:
@@ -82,10 +84,18 @@ class CallQueue:
         if state == NEW:
             raise RuntimeError("start() has not run: call runner.start() (or use `with runner:`)")
         failure = self.failure
-        why = f": {type(failure).__name__}: {failure}" if failure else " (it was shut down)"
+        if state == RESTARTING:
+            raise RuntimeError(f"this DistributedRunner is restarting after "
+                               f"{type(failure).__name__}: wait for it (a call waits by "
+                               f"itself)") from failure
+        if state == CLOSED or failure is None:
+            raise RuntimeError("this DistributedRunner is unusable (it was shut down); build "
+                               "and start a new one") from failure
+        budget = self.restarts.budget_note() if self.restarts is not None else ""
         raise RuntimeError(
-            f"this DistributedRunner is unusable{why}. It never restarts ranks; build and "
-            f"start a new one") from failure
+            f"this DistributedRunner is unusable: {type(failure).__name__}: {failure}{budget}. "
+            f"runner.restart() brings its ranks back (or shut it down and build a new one)"
+        ) from failure
 
     def broken(self, exc: BaseException, at: Call | None = None) -> None:
         """The runner is unusable from now on: ``at`` (default: the call the ranks run)
@@ -93,21 +103,61 @@ class CallQueue:
         if self.state != READY:
             return
         self.state, self.failure = UNUSABLE, exc
+        note = self.restarts.after_failure(exc) if self.restarts is not None else None
+        if note is not None:
+            self.state = RESTARTING
         at = at or (self.in_flight[0] if self.in_flight else None)
         self._fail_in_flight(lambda call: exc if call is at else failed_behind(
-            exc, call.what, at.what if at is not None else None))
+            exc, call.what, at.what if at is not None else None), note)
 
-    def _fail_in_flight(self, error_of: Callable[[Call], BaseException]) -> None:
+    def _fail_in_flight(self, error_of: Callable[[Call], BaseException],
+                        note: str | None = None) -> None:
         for call in self.in_flight:
             if not call.done:
-                self._settle(call, None, error_of(call))
+                error = error_of(call)
+                if note is not None:
+                    error.add_note(note)
+                self._settle(call, None, error)
         self.in_flight.clear()
         self.by_seq.clear()
         self.turns.clear()
         self.receiver.changed_all()
 
+    def begin_restart(self) -> None:
+        """restart() from the caller: the calls in flight fail; new ones wait for it."""
+        with self.lock:
+            if self.state == CLOSED:
+                raise RuntimeError("this DistributedRunner was shut down: restart() brings "
+                                   "back a runner that broke, not one shut down; build a new one")
+            if self.state == NEW:
+                raise RuntimeError("start() has not run: call runner.start() first")
+            while self.state == RESTARTING:  # a restart of its own (max_restarts) runs
+                self.receiver.wait(WAKE)
+            if self.state == READY:
+                self.failure = None
+                self._fail_in_flight(lambda call: RuntimeError(
+                    f"{call.what} was in flight when runner.restart() was called: it has "
+                    f"no result"))
+            self.state = RESTARTING
+            self.receiver.changed_all()
+
+    def restarted(self, failure: BaseException | None) -> None:
+        """The restart ended: ready again, or unusable with ``failure``."""
+        with self.lock:
+            if self.state != RESTARTING:
+                return  # shut down meanwhile
+            if failure is None:
+                assert self.path is not None
+                self.path.ranks = self.transport.ranks  # type: ignore[assignment]
+                self.state, self.failure = READY, None
+            else:
+                self.state, self.failure = UNUSABLE, failure
+            self.receiver.changed_all()
+
     def close(self) -> None:
         """Shut down: the calls in flight fail; waits until nobody is receiving."""
+        if self.restarts is not None:
+            self.restarts.stop()
         with self.lock:
             if self.state == CLOSED:
                 return
@@ -133,6 +183,8 @@ class CallQueue:
 
     def send_locked(self, method: str, value: Any, timeout: float | None,
                     future: Future | None = None) -> Call:
+        if self.state == RESTARTING:
+            self.wait_for_restart(method, timeout)
         self.check_usable()
         turn = object()
         self.turns.append(turn)
@@ -144,6 +196,17 @@ class CallQueue:
             return self.publish(turn, method, value, timeout, future)
         finally:
             self.leave_turn(turn)
+
+    def wait_for_restart(self, method: str, timeout: float | None) -> None:
+        """Under the lock: a call made while the runner restarts waits for it."""
+        give_up = None if timeout is None else time.monotonic() + timeout
+        while self.state == RESTARTING:
+            now = time.monotonic()
+            if give_up is not None and now >= give_up:
+                raise CallQueueFull(
+                    f"{method}() waited {timeout:g} s for the runner's restart to end; "
+                    f"nothing was sent (the restart goes on)")
+            self.receiver.wait(WAKE if give_up is None else min(WAKE, give_up - now))
 
     def my_turn(self, turn: object) -> bool:
         """This caller may send now (or must look why not: the runner broke)."""
@@ -315,7 +378,7 @@ class CallQueue:
                 in_flight = self.in_flight
                 while in_flight and len(in_flight[0].replies) == self.world_size:
                     self.answered(in_flight.popleft())
-        elif kind == Kind.DEATH:
+        elif kind == Kind.DEATH and header.get(Field.EPOCH, 0) == self.transport.epoch:
             dead = self.transport.dead() or [header[Field.RANK]]
             what = self.in_flight[0].what if self.in_flight else "an idle moment between calls"
             self.broken(self.transport.crashed(dead, what))

@@ -69,7 +69,9 @@ class Rendezvous:
                                    master_listen_fd=listener.detach())
         return port
 
-    def form_group(self, device: str, port: int) -> None:
+    def form_group(self, device: str, port: int, epoch: int = 0) -> None:
+        """Join the group of generation ``epoch`` (0 at start, +1 per restart: each
+        has a store of its own)."""
         import torch.distributed as dist
 
         boot = self.boot
@@ -77,11 +79,25 @@ class Rendezvous:
             self.store = dist.TCPStore(boot.master_addr, port, boot.world_size, False,
                                        timeout=self.timeout)
         elif self.store is None:
-            self.store = dist.FileStore(os.path.join(self.private_dir, "store"),
+            name = "store" if not epoch else f"store.{epoch}"
+            self.store = dist.FileStore(os.path.join(self.private_dir, name),
                                         boot.world_size)
             self.store.set_timeout(self.timeout)
         dist.init_process_group(store=self.store, rank=boot.rank, world_size=boot.world_size,
                                 timeout=self.timeout, **group_options(device))
+
+    def leave_group(self, device: str) -> None:
+        """restart(), on a rank that keeps its model: the old group goes (a CUDA group is
+        aborted: NCCL's destroy may wait for a peer that is gone), and its store."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if device.startswith("cuda") and abort is not None:
+                abort()
+            else:
+                dist.destroy_process_group()
+        self.store = None
 
     def serve_calls(self) -> None:
         """``load()`` is done: the group's collectives now wait at most

@@ -52,6 +52,7 @@ class RankHost:
         self.ranks = Ranks(world_size, lambda ranks: self.died.set(), "stderr")
         self._public, self._secret = zmq.curve_keypair()
         self._lifeline: socket.socket | None = None
+        self._launched: tuple[dict[str, str], list[str], dict[str, str]] = ({}, [], {})
 
     def where(self) -> tuple[str, int, bytes, list[str], str | None]:
         """(Ray node id, this host's pid, the rank's CurveZMQ public key, the GPU ids Ray
@@ -72,15 +73,33 @@ class RankHost:
                threads: str | None = None) -> int:
         """Start the rank; its pid.  ``lifeline``: the runner's address to hold on to;
         ``threads``: the runner's OMP_NUM_THREADS (the rank's, not Ray's)."""
-        boot = Bootstrap.read_bytes(bootstrap)
-        if boot.curve is not None:  # the secret key is born here and stays here
-            boot = dataclasses.replace(boot, curve=(boot.curve[0], self._public, self._secret))
         if lifeline is not None:  # first: a runner already gone gets no rank started
             self._hold(lifeline)
         set_rank_threads(threads)
+        self._launched = (env, launch_prefix, torch_env)
+        return self._spawn(bootstrap)
+
+    def _spawn(self, bootstrap: bytes) -> int:
+        boot = Bootstrap.read_bytes(bootstrap)
+        if boot.curve is not None:  # the secret key is born here and stays here
+            boot = dataclasses.replace(boot, curve=(boot.curve[0], self._public, self._secret))
+        env, launch_prefix, torch_env = self._launched
         self.ranks.spawn(self.rank, boot.to_bytes(), master_port=0, env=env, gpus=None,
                          launch_prefix=launch_prefix, torch_env=torch_env)
         return self.ranks.procs[0].pid
+
+    def relaunch(self, bootstrap: bytes) -> int:
+        """restart(): whatever is left of the rank ends; the rank starts again here (same
+        node, same bundle, same GPUs); its pid."""
+        self.end_rank()
+        died = self.died = threading.Event()
+        self.ranks = Ranks(self.world_size, lambda ranks: died.set(), "stderr")
+        return self._spawn(bootstrap)
+
+    def end_rank(self) -> None:
+        """The rank ends now (a restart replaces it, or failed); the host stays."""
+        self.ranks.end(0.0)
+        self.died.set()  # a watch still waiting on it learns that it is gone
 
     def _hold(self, address: tuple[str, int]) -> None:
         sock = socket.create_connection(address, timeout=10)

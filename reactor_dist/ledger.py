@@ -164,6 +164,16 @@ class Ledger:
         """``holder`` is done with ``name`` (safe to call from a finalizer)."""
         self._pending.append((name, holder))
 
+    def forget(self, holders: Iterable[Hashable]) -> None:
+        """``holders`` are gone (ranks replaced by a restart): what they held is idle
+        once nobody else holds it; they will never release it."""
+        gone = set(holders)
+        for name, held in self.holders.items():
+            for holder in gone & held.keys():
+                del held[holder]
+            if not held and name not in self.idle:
+                self.idle.append(name)
+
     def take_retired(self) -> list[str]:
         """The names retired since the last call, for the RETIRED field (called on
         every message: cheap when there is nothing to tell)."""

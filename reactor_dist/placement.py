@@ -122,6 +122,7 @@ class RayGroup:
         self.lifeline: socket.socket | None = None
         self._held: list[socket.socket] = []
         self._closing = threading.Event()
+        self._watching = threading.Event()  # set: the current watch thread ends
         self._threads: list[threading.Thread] = []  # the lifeline's and the watch's
 
     # -- reserve ---------------------------------------------------------------------
@@ -281,13 +282,41 @@ class RayGroup:
         self._threads.append(thread)
         thread.start()
 
+    def relaunch(self, replaced: list[int], ranks: Any, boots: list[Bootstrap],
+                 timeout: float) -> None:
+        """restart(): ``replaced`` start again through their hosts, in their bundles
+        (``boots``, in that order); ``ranks`` (processes.Ranks) takes every rank's handle
+        and the watch reports to it from now on."""
+        for hosted in self.ranks:
+            ranks.adopt(hosted)
+        calls = [self.ranks[r].host.relaunch.remote(boot.to_bytes())
+                 for r, boot in zip(replaced, boots, strict=True)]
+        try:
+            pids = self._get(calls, timeout, "start the replaced ranks again")
+        except self.ray.exceptions.RayError as exc:  # a host that is gone (its node?)
+            raise PlacementFailed(f"the bundle of rank {', '.join(map(str, replaced))} could "
+                                  f"not be placed again: {type(exc).__name__}: {exc}"
+                                  ) from exc
+        for rank, pid in zip(replaced, pids, strict=True):
+            self.ranks[rank].pid, self.ranks[rank].report = pid, None
+        self.watch(ranks.watch.notice)
+
+    def end_ranks(self) -> None:
+        """A restart failed: every rank ends now; the hosts and bundles stay."""
+        with contextlib.suppress(Exception):
+            self.ray.wait([r.host.end_rank.remote() for r in self.ranks],
+                          num_returns=len(self.ranks), timeout=30)
+
     def watch(self, notice: Callable[[list[int]], None]) -> None:
-        """A thread that reports each rank's death (or its host's) to ``notice``."""
+        """A thread that reports each rank's death (or its host's) to ``notice``; a new
+        watch (after a restart) ends the one before."""
         ray = self.ray
+        self._watching.set()
+        stop = self._watching = threading.Event()
         waiting = {r.host.exited.remote(): r for r in self.ranks}
 
         def run() -> None:
-            while waiting and not self._closing.is_set():
+            while waiting and not self._closing.is_set() and not stop.is_set():
                 try:
                     done, _ = ray.wait(list(waiting), num_returns=1, timeout=0.25)
                 except Exception as exc:  # Ray itself is gone (shut down, or lost)

@@ -256,6 +256,16 @@ class Ranks:
         self.procs.append(proc)
         self.watch.watch(proc)
 
+    def keep(self, proc: Any) -> None:
+        """restart(): a rank of the generation before, which keeps its process."""
+        self.procs.append(proc)
+        if proc.hosted:
+            self.watch.hosted(proc)
+            return
+        self.watch.watch(proc)
+        if proc.launcher_pid != proc.pid:
+            self.watch.watch(proc, proc.launcher_pid)
+
     def adopt(self, proc: Any) -> None:
         """A rank that another process started (placement.HostedRank), in rank order."""
         self.procs.append(proc)

@@ -15,9 +15,9 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
     progress  <-   a phase of start() begins  PHASE ("importing", "forming the group",
                    (import, group, load), or  "loading"); for load()'s own reports DONE,
                    load() reported progress   TOTAL (numbers; TOTAL may be absent), UNIT
-    init      ->   once every rank ponged;    PORT (rank 0's store port)
-                   again at the ping pace
-                   until every rank sent a
+    init      ->   once every rank ponged;    PORT (rank 0's store port), EPOCH (the
+                   again at the ping pace     group's: 0 at start, +1 per restart),
+                   until every rank sent a    RANKS (who acts on it; absent: every rank)
                    progress or ready after
                    it (a repeat gets the same
                    ready, load() runs once)
@@ -51,8 +51,17 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
     trimmed   <-   rank 0 retired its idle    RETIRED
                    segments after IDLE_RETURN
                    seconds without a command
+    drop      ->   restart(): calls that      SEQ: the last call to skip (a rank skips
+                   failed are never run       every CALL up to it; read as it arrives)
+    rejoin    ->   restart(), to the ranks    EPOCH (the new group's), PORT (its store's,
+                   that keep their model:     0 on one machine), RANKS (who acts on it);
+                   leave the old group, join  again at the ping pace until each acked
+                   the new one, rejoin()      (progress) or answered
+    rejoined  <-   answer to rejoin           EPOCH, STATUS, ERROR, GROUP_SECONDS,
+                                              LOAD_SECONDS (rejoin()'s duration)
     shutdown  ->   graceful shutdown          -
-    death     (inproc, the runner's death watch to its own PULL socket) RANK = who died
+    death     (inproc, the runner's death watch to its own PULL socket) RANK = who died,
+              EPOCH = the ranks' generation it watched (a notice of replaced ranks is stale)
 
 SEQ is the call's sequence number (0 for ping/init/ready), RANK the sender (-1 for
 commands).  RELEASED always names segments owned by the *receiver*, RETIRED
@@ -126,6 +135,8 @@ class Field:
     UNIT = "u"
     ROUND = "rd"
     NBYTES = "nb"
+    EPOCH = "ep"
+    RANKS = "rks"
 
 
 class Kind:
@@ -133,13 +144,16 @@ class Kind:
 
     PING, INIT, CALL, SHUTDOWN = "ping", "init", "call", "shutdown"  # runner -> every rank
     RELEASE, RECLAIM = "release", "reclaim"  # runner -> every rank: shared memory back
+    DROP, REJOIN = "drop", "rejoin"  # runner -> every rank: restart()
+    REJOINED = "rejoined"  # one rank -> runner: answer to REJOIN
     PONG, READY, REPLY, ITEM = "pong", "ready", "reply", "item"  # one rank -> runner
     RECLAIMED, STARVED, TRIMMED = "reclaimed", "starved", "trimmed"  # one rank -> runner
     PROGRESS = "progress"  # one rank -> runner, during start()
     DEATH = "death"  # the runner's death watch -> its own PULL socket
-    COMMANDS = frozenset({PING, INIT, CALL, SHUTDOWN, RELEASE, RECLAIM})
+    COMMANDS = frozenset({PING, INIT, CALL, SHUTDOWN, RELEASE, RECLAIM, DROP, REJOIN})
     MEMORY = frozenset({RELEASE, RECLAIM})  # a rank applies these also during a call
-    REPLIES = frozenset({PONG, READY, REPLY, ITEM, PROGRESS, RECLAIMED, STARVED, TRIMMED})
+    REPLIES = frozenset({PONG, READY, REPLY, ITEM, PROGRESS, RECLAIMED, STARVED, TRIMMED,
+                         REJOINED})
     ALL = COMMANDS | REPLIES | {DEATH}
     TO_RUNNER = REPLIES | {DEATH}  # what the runner's PULL socket accepts
 
@@ -285,6 +299,12 @@ IPC_DIR_PREFIX = "reactor-dist-"
 
 def segment_prefix(pid: int, started: int, token: str) -> str:
     return f"{SEGMENT_PREFIX}.{pid}.{started:x}.{token}"
+
+
+def result_tag(rank: int) -> str:
+    """The tag of rank ``rank``'s result segments: ``<runner prefix>.<tag><token>``
+    (rank 0's alone are used; a restart that replaces rank 0 removes its ones)."""
+    return f"r{rank}-"
 
 
 def segment_owner(name: str) -> tuple[int, str] | None:

@@ -10,6 +10,9 @@ Life of a rank (messages in :mod:`reactor_dist.protocol`)::
                                     a repeated INIT gets the same READY, load() runs once)
     Kind.CALL  -> Kind.REPLY       (generate/reset; rank 0 alone sends the result payload)
     Kind.RELEASE, Kind.RECLAIM     (shared memory back: also read mid-call, rank_memory.py)
+    Kind.DROP                      (restart(): skip the calls that failed; read as it comes)
+    Kind.REJOIN -> Kind.REJOINED   (restart(), a rank that keeps its model: leave the old
+                                    group, join the new one with the new ranks, rejoin())
     Kind.SHUTDOWN -> exit
 
 The secret never appears in argv or the environment.  Every command is
@@ -80,6 +83,8 @@ class RankServer:
         # Kind.READY as sent: the runner re-sends INIT until it hears from us, and a
         # repeated INIT gets this again (load() runs once).
         self.ready: tuple[dict[str, Any], list] | None = None
+        self.epoch = 0  # the group's generation: +1 per restart the rank survives
+        self.rejoined: tuple[dict[str, Any], list] = ({}, [])  # Kind.REJOINED as sent
         # Payloads from this size on go through shared memory, where the runner has it.
         self.inline_limit = transfer.INLINE_LIMIT if boot.shared_memory else transfer.IN_BAND
 
@@ -138,14 +143,23 @@ class RankServer:
             if kind == Kind.PING:
                 self.send({Field.KIND: Kind.PONG, Field.SEQ: header[Field.SEQ],
                            Field.PID: os.getpid(), Field.PORT: port})
+            elif kind in (Kind.INIT, Kind.REJOIN) and \
+                    self.rank not in header.get(Field.RANKS, (self.rank,)):
+                continue  # a restart's command for the other ranks
             elif kind == Kind.INIT and self.ready is None:
                 self.init(header)
             elif kind == Kind.INIT:
                 ready, ready_body = self.ready
                 self.send(dict(ready), list(ready_body))
+            elif kind == Kind.REJOIN and header.get(Field.EPOCH, 0) > self.epoch:
+                self.rejoin(header)
+            elif kind == Kind.REJOIN:
+                rejoined, rejoined_body = self.rejoined
+                self.send(dict(rejoined), list(rejoined_body))
             elif kind == Kind.CALL and header[Field.SEQ] > self.last_seq:
                 self.last_seq = header[Field.SEQ]
-                self.call(header, body)
+                if not self.inbox.skips(header[Field.SEQ]):
+                    self.call(header, body)
             elif kind == Kind.SHUTDOWN:
                 break
         self.close()
@@ -183,7 +197,8 @@ class RankServer:
             began = time.perf_counter()
             if self.boot.init_process_group and self.world_size > 1:
                 self.progress.phase(FORMING)
-                self.rendezvous.form_group(device, port)
+                self.epoch = header.get(Field.EPOCH, 0)
+                self.rendezvous.form_group(device, port, self.epoch)
                 reply[Field.GROUP_SECONDS] = time.perf_counter() - began
             self.progress.phase(LOADING)
             began = time.perf_counter()
@@ -195,6 +210,39 @@ class RankServer:
             reply[Field.STATUS], reply[Field.ERROR] = Status.RAISED, describe(exc)
             body = [pickle_exception(exc) or b""]
         self.ready = (dict(reply), list(body))
+        self.send(reply, body)
+
+    def rejoin(self, header: dict[str, Any]) -> None:
+        """restart(): this rank keeps its worker.  It leaves the old group, joins the new
+        one (with the replaced ranks, which form it in their INIT), and runs the worker's
+        ``rejoin()`` to rebuild what depends on the group."""
+        self.epoch = header[Field.EPOCH]
+        reply: dict[str, Any] = {Field.KIND: Kind.REJOINED, Field.SEQ: 0,
+                                 Field.EPOCH: self.epoch, Field.STATUS: Status.OK}
+        body: list = []
+        try:
+            grouped = self.boot.init_process_group and self.world_size > 1
+            port = 0
+            if grouped:
+                self.rendezvous.leave_group(self.device)
+                port = self.rendezvous.open()  # rank 0 across nodes: its new store
+            self.send({Field.KIND: Kind.PROGRESS, Field.SEQ: 0, Field.PHASE: FORMING,
+                       Field.PORT: port})  # acks the REJOIN (and tells rank 0's port)
+            if grouped:
+                began = time.perf_counter()
+                self.rendezvous.form_group(self.device, header.get(Field.PORT) or port,
+                                           self.epoch)
+                self.rendezvous.serve_calls()
+                reply[Field.GROUP_SECONDS] = time.perf_counter() - began
+            began = time.perf_counter()
+            hook = getattr(self.worker, "rejoin", None)
+            if hook is not None:
+                hook()
+            reply[Field.LOAD_SECONDS] = time.perf_counter() - began
+        except BaseException as exc:
+            reply[Field.STATUS], reply[Field.ERROR] = Status.RAISED, describe(exc)
+            body = [pickle_exception(exc) or b""]
+        self.rejoined = (dict(reply), list(body))
         self.send(reply, body)
 
     def boot_worker(self, device: str) -> Any:

@@ -16,7 +16,8 @@ to it without waiting for the next call::
 
 A rank reads its commands only between calls, except here: :class:`Inbox` reads the
 release and reclaim commands whenever the rank looks (after each yielded item, while
-starved) and keeps every other command, in order, for the rank's loop.
+starved) and keeps every other command, in order, for the rank's loop.  It also reads
+DROP as it comes: a restart's calls that already failed in the runner are skipped.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import zmq
 from . import shm, wire
 from .host_pinning import HostPinning, cuda_runtime_of
 from .ledger import IDLE_RETURN, Ledger, Mapped
-from .protocol import Bootstrap, Field, Kind
+from .protocol import Bootstrap, Field, Kind, result_tag
 
 log = logging.getLogger("reactor_dist")
 # Who holds a segment of rank 0's result ledger.
@@ -50,6 +51,7 @@ class Inbox:
         self.backlog: collections.deque[Message] = collections.deque()
         self.rejected = 0
         self.stopping = False  # a SHUTDOWN waits in the backlog: nobody will answer us
+        self.dropped = 0  # every CALL up to this SEQ is skipped (Kind.DROP: a restart)
 
     def next(self, timeout_ms: int = -1) -> Message | None:
         """The next command for the rank's loop (a memory command comes already
@@ -92,7 +94,16 @@ class Inbox:
             return None
         if header[Field.KIND] in Kind.MEMORY:
             self.on_memory(header)
+        elif header[Field.KIND] == Kind.DROP:
+            self.dropped = max(self.dropped, header[Field.SEQ])
+            return None
         return header, body
+
+    def skips(self, seq: int) -> bool:
+        """Whether the CALL ``seq`` failed in the runner already (a restart dropped it):
+        the commands that have arrived are read first, so a DROP right behind counts."""
+        self.drain()
+        return seq <= self.dropped
 
 
 class RankMemory:
@@ -103,7 +114,7 @@ class RankMemory:
         self.boot, self.send = boot, send
         self.device = "cpu"  # the rank's, once chosen: a CUDA rank page-locks its results
         self.pinning = HostPinning(cuda_runtime_of(lambda: self.device))
-        self.results = Ledger(boot.shm_dir, boot.shm_prefix, f"r{rank}-",
+        self.results = Ledger(boot.shm_dir, boot.shm_prefix, result_tag(rank),
                               keep_free=boot.keep_free, reclaim=self.starve,
                               before_close=self.pinning.unpin)
         prefix = boot.shm_prefix + "."

@@ -211,6 +211,8 @@ class Receiver:
             with self.lock:
                 self.wanted.notify_all()
             collector.join(timeout=4 * WAKE)
+            if not collector.is_alive():
+                self.collector = None  # a new one starts at the next need (after a restart)
 
     # -- asyncio ----------------------------------------------------------------------------
     def poll(self, satisfied: Callable[[], bool],

@@ -31,6 +31,7 @@ from .call_queue import CLOSED, NEW, READY, UNUSABLE, CallQueue
 from .output import OUTPUT_MODES
 from .placement import check_ray_options
 from .protocol import Method
+from .restarts import Restarts
 from .shm import DEFAULT_DIR
 from .stream import Stream
 from .timeouts import check_grace
@@ -90,7 +91,8 @@ class DistributedRunner:
                  shm_dir: str = DEFAULT_DIR, keep_free_segments: int = 2,
                  shutdown_grace: float = 5.0, rank_output: str = "stderr",
                  placement: str = "local", ray_bundle: dict[str, float] | None = None,
-                 ray_strategy: str = "PACK", max_in_flight: int = 2) -> None:
+                 ray_strategy: str = "PACK", max_in_flight: int = 2, max_restarts: int = 0,
+                 restart_window: float = 600.0) -> None:
         check_not_rerunning_main()  # a rank re-running a script without its __main__ guard
         self._world_size = check_world_size(world_size)
         check_methods(worker_cls)
@@ -102,6 +104,13 @@ class DistributedRunner:
                 max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an int >= 1 (calls sent to the ranks and "
                              f"not yet answered; 1: one at a time), got {max_in_flight!r}")
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or \
+                max_restarts < 0:
+            raise ValueError(f"max_restarts must be an int >= 0 (restarts by itself within "
+                             f"restart_window; 0: never), got {max_restarts!r}")
+        restart_window = _check_timeout("restart_window", restart_window)
+        if restart_window is None:
+            raise ValueError("restart_window must be a number of seconds, not None")
         if rank_output not in OUTPUT_MODES:
             raise ValueError(f"rank_output must be 'stderr' or 'log', got {rank_output!r}")
         if device not in ("auto", "cpu", "cuda"):
@@ -133,6 +142,10 @@ class DistributedRunner:
             shutdown_grace=check_grace(shutdown_grace), rank_output=rank_output, ray=ray)
         self._timings = Recorder(world_size)
         self._queue = CallQueue(self._transport, max_in_flight, self._timings)
+        rejoin = callable(getattr(worker_cls, "rejoin", None))
+        self._restarts = self._queue.restarts = Restarts(
+            self._queue, rejoin=rejoin, grace=check_grace(shutdown_grace),
+            max_restarts=max_restarts, window=restart_window, timeout=self.start_timeout)
         self._lifecycle = threading.Lock()  # start() and shutdown() take turns
         self._finalizer = weakref.finalize(self, _close, self._transport, self._queue)
 
@@ -140,6 +153,11 @@ class DistributedRunner:
     @property
     def world_size(self) -> int:
         return self._world_size
+
+    @property
+    def restarts(self) -> int:
+        """How many times the ranks were brought back (restart(), or max_restarts)."""
+        return self._restarts.count
 
     @property
     def max_in_flight(self) -> int:
@@ -171,7 +189,9 @@ class DistributedRunner:
     def stats(self, reset: bool = False) -> Stats:
         """Per-rank compute and the overhead (count, p50, p90, p99) over the calls since
         start or the last reset (the latest 10,000 of them); ``str()`` is a table."""
-        return self._timings.stats(reset)
+        stats = self._timings.stats(reset)
+        stats.restarts = self._restarts.count
+        return stats
 
     def reset_stats(self) -> None:
         """Forget the calls that stats() summarises."""
@@ -244,6 +264,25 @@ class DistributedRunner:
         call): True once idle, False when ``timeout`` (default ``call_timeout``, None: no
         limit) ran out first; the runner stays usable either way."""
         return self._queue.wait_idle(self._timeout(timeout))
+
+    def restart(self, *, timeout: float | None | EllipsisType = ...) -> None:
+        """Bring the runner back to what start() leaves (every rank loaded, same
+        world_size, GPUs and options, healthy), from an unusable or a healthy runner.
+
+        A worker class that defines ``rejoin(self)`` keeps the ranks that are alive and
+        answer within ``shutdown_grace``: they leave the old torch.distributed group,
+        join a new one with the replacement ranks and run ``rejoin()``; only the others
+        get a new process and ``load()``.  Without it every rank is started again.  Calls
+        in flight fail; ``timeout`` (default ``start_timeout``) bounds it all.  Raises
+        what start() would (the runner stays unusable)."""
+        timeout = self.start_timeout if timeout is ... else _check_timeout("timeout", timeout)
+        with self._lifecycle:
+            self._queue.begin_restart()
+            self._restarts.run(timeout)
+
+    async def arestart(self, *, timeout: float | None | EllipsisType = ...) -> None:
+        """:meth:`restart`, in a worker thread: the event loop keeps running meanwhile."""
+        await asyncio.to_thread(self.restart, timeout=timeout)
 
     def _timeout(self, timeout: float | None | EllipsisType) -> float | None:
         return self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)

@@ -228,6 +228,11 @@ class PrivateView:
 
 def remove_prefix(directory: str, prefix: str) -> int:
     """Unlink every entry of one runner; returns how many there were."""
+    return remove_starting(directory, prefix + ".")
+
+
+def remove_starting(directory: str, start: str) -> int:
+    """Unlink every entry of ours whose name starts with ``start``; how many."""
     removed = 0
     try:
         names = os.listdir(directory)
@@ -235,7 +240,7 @@ def remove_prefix(directory: str, prefix: str) -> int:
         return 0
     for name in names:
         path = os.path.join(directory, name)
-        if name.startswith(prefix + ".") and _own_file(path):
+        if name.startswith(start) and _own_file(path):
             unlink_quietly(path)
             removed += 1
     return removed

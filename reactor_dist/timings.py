@@ -120,6 +120,7 @@ class Stats:
         self.compute = tuple(Summary([c.compute[r] for c in calls]) for r in range(world_size))
         self.overhead = Summary([c.overhead for c in calls])
         self.wall = Summary([c.wall for c in calls])
+        self.restarts = 0  # the runner's restarts so far (set by runner.stats())
 
     def __str__(self) -> str:
         rows = [("", "count", "p50 ms", "p90 ms", "p99 ms")]

@@ -30,9 +30,10 @@ from .errors import (
     rebuild_exception,
     timeout_error,
 )
+from .handshake import Ask, exchange
 from .ledger import Ledger, Mapped
 from .placement import RayGroup, RaySpec
-from .processes import Ranks, free_port
+from .processes import Ranks, end_ranks, free_port
 from .progress import Display
 from .protocol import (
     MAX_FRAME_ENV,
@@ -44,14 +45,23 @@ from .protocol import (
     Kind,
     Status,
     WorkerRef,
+    result_tag,
 )
 from .releaser import Releaser
 
+
+def raise_first_error(answers: Replies) -> None:
+    """A rank's load() (or rejoin()) raised: its exception, as start() reports it."""
+    for rank, (header, body) in sorted(answers.items()):
+        if header.get(Field.STATUS) == Status.RAISED:
+            exc = rebuild_exception(ErrorRecord.parse(header.get(Field.ERROR)),
+                                    body[0] if body else None, rank)
+            if isinstance(exc, MainGuardMissing):
+                raise exc from None  # its own message says all; the rank's stack is noise
+            raise exc
+
 Replies = dict[int, tuple[dict, list]]
 
-# Start-up: PING until every rank answered (PUB/SUB's slow joiner), then INIT until every
-# rank has said it got it: one per interval, on a fixed pace whatever arrives meanwhile.
-PING_EVERY = 0.02
 log = logging.getLogger("reactor_dist")
 
 
@@ -73,6 +83,9 @@ class Transport:
         self.shutdown_grace = shutdown_grace
         self.owner_pid = os.getpid()  # a forked child must never tear down our ranks
         self.inline_limit = transfer.INLINE_LIMIT  # IN_BAND when a rank is on another node
+        self.epoch = 0  # the generation of ranks: +1 per restart (handshake.py, recovery.py)
+        self.closing = False  # shutdown() began: a restart in progress gives up
+        self.master_port = 0  # MASTER_PORT of the ranks (models that form their own group)
         self.devices: list[str] = []  # each rank's device, once started
         self.inputs = Ledger(shm_dir, self.shm_prefix, "in", keep_free=keep_free)
         self.results = Mapped(lambda name: shm.Segment.open(shm_dir, name), self._ours)
@@ -90,6 +103,7 @@ class Transport:
         self._env, self._gpus, self._launch_prefix = env, gpus, launch_prefix
         self._ray = ray
         self.placement: RayGroup | None = None  # placement="ray": the group Ray placed
+        self._remote: dict[str, Any] = {}  # a Ray-placed rank on another node: its bus
         self.pings_sent = self.inits_sent = 0  # start-up's commands published (stress.py)
 
     def _ours(self, name: str) -> bool:
@@ -106,45 +120,85 @@ class Transport:
         reclaim_dead_ipc_dirs()
         self.ipc_dir, self._dir_lock = private_dir()
         self.bus = Bus(self.secret, self.ipc_dir, self.world_size)
-        self.ranks = Ranks(self.world_size, self.bus.tell_death, self.rank_output)
+        self.ranks = self.new_ranks()
         self.display = Display(self.world_size)
         try:
             self.start_ranks(deadline, timeout)
         finally:
             self.display.close()
+            self.display = None  # a restart's ranks report in the log alone
+
+    def new_ranks(self) -> Ranks:
+        """The processes of this generation of ranks (``epoch``), watched: a death
+        notice names the generation, so that a replaced rank's is known as stale."""
+        bus, epoch = self.bus, self.epoch
+        assert bus is not None
+        return Ranks(self.world_size, lambda dead: bus.tell_death(dead, epoch),
+                     self.rank_output)
 
     def start_ranks(self, deadline: float, timeout: float | None) -> None:
         assert self.ranks is not None and self.bus is not None
         # For models that form their own group (init_process_group=False): one port for
         # all ranks. With our group, rank 0's store binds port 0 and Kind.INIT carries its port.
         if self._ray is None:
-            master_port = free_port()
+            self.master_port = free_port()
             for rank in range(self.world_size):
-                self._spawn(rank, master_port)
+                self._spawn(rank, self.master_port)
         else:
             self._place(deadline)
         log.info("started %d rank%s (pids %s)", self.world_size, "s" if self.world_size > 1
                  else "", ", ".join(str(p.pid) for p in self.ranks.procs))
-        pongs = self.handshake(Kind.PONG, deadline - time.monotonic(), timeout,
-                               command={Field.KIND: Kind.PING, Field.SEQ: 0})
-        for rank, (header, _) in pongs.items():
-            self.ranks.found_launcher(rank, header.get(Field.PID))
+        everyone = frozenset(range(self.world_size))
+        pongs = self.ping(everyone, deadline, timeout, "start()")
         store_port = pongs[0][0].get(Field.PORT) or 0
         # A rank's first PROGRESS after INIT (its phase "forming the group" or "loading")
         # says it got INIT: re-sending stops then, not after load().
-        ready = self.handshake(Kind.READY, deadline - time.monotonic(), timeout,
-                               command={Field.KIND: Kind.INIT, Field.SEQ: 0,
-                                        Field.PORT: store_port},
-                               acks=Kind.PROGRESS, first_error=True)
+        init = {Field.KIND: Kind.INIT, Field.SEQ: 0, Field.PORT: store_port}
+        ready = exchange(self, [Ask(init, Kind.READY, everyone, frozenset({Kind.PROGRESS}))],
+                         deadline - time.monotonic(), timeout, "start()", first_error=True)
         self.devices = [str(ready[r][0].get(Field.DEVICE)) for r in sorted(ready)]
         self.log_ready(ready)
-        for rank, (header, body) in ready.items():
-            if header.get(Field.STATUS) == Status.RAISED:
-                exc = rebuild_exception(ErrorRecord.parse(header.get(Field.ERROR)),
-                                        body[0] if body else None, rank)
-                if isinstance(exc, MainGuardMissing):
-                    raise exc from None  # its own message says all; the rank's stack is noise
-                raise exc
+        raise_first_error(ready)
+
+    def ping(self, ranks: frozenset[int], deadline: float, timeout: float | None,
+             what: str, other: Callable[[dict[str, Any]], None] = lambda header: None,
+             partial: bool = False) -> Replies:
+        """PING until each of ``ranks`` answered (PUB/SUB's slow joiner): their PONGs
+        (``partial``: those that came by the deadline)."""
+        assert self.ranks is not None
+        pongs = exchange(self, [Ask({Field.KIND: Kind.PING, Field.SEQ: 0}, Kind.PONG, ranks)],
+                         deadline - time.monotonic(), timeout, what, other=other,
+                         partial=partial)
+        if not partial:
+            for rank, (header, _) in pongs.items():
+                self.ranks.found_launcher(rank, header.get(Field.PID))
+        return pongs
+
+    def replace(self, ranks: list[int]) -> None:
+        """restart(): ``ranks`` get a new process each (same rank, GPU, bundle); the
+        others keep theirs.  A new epoch: the death watch of the old one is stale,
+        and what the ended ranks held is forgotten (rank 0's result segments too)."""
+        old = self.ranks
+        assert old is not None
+        old.watch.close()
+        end_ranks([old.procs[r] for r in ranks if not old.procs[r].hosted], term_grace=0.2)
+        self.epoch += 1
+        self.ranks = self.new_ranks()
+        self.inputs.forget(ranks)
+        if 0 in ranks:
+            self.results.unmap_unused()
+            shm.remove_starting(self.shm_dir, f"{self.shm_prefix}.{result_tag(0)}")
+        if self._ray is not None:
+            assert self.placement is not None
+            self.placement.relaunch(ranks, self.ranks, [
+                self._bootstrap(r, **self._placed(r)) for r in ranks],
+                timeouts.for_library(self._start_timeout))
+            return
+        for rank in range(self.world_size):
+            if rank in ranks:
+                self._spawn(rank, self.master_port)
+            else:
+                self.ranks.keep(old.procs[rank])
 
     def start_releaser(self, pass_on: Callable[[], None], last_call: Callable[[], float]) -> None:
         """Rank 0's segments go back between calls (releaser.py), once calls can go."""
@@ -174,23 +228,29 @@ class Transport:
         group = self.placement = RayGroup(self.world_size, self._ray, self._device)
         group.reserve(timeouts.for_library(max(deadline - time.monotonic(), 0.01)),
                       timeouts.for_library(self._start_timeout))
-        remote: dict[str, Any] = {}
         if group.spans_nodes:
             cmd, reply, server = self.bus.open_tcp(group.address, group.remote_keys())
             self.inline_limit = transfer.IN_BAND  # a broadcast input reaches every node
-            remote = {"cmd_addr": cmd, "reply_addr": reply, "curve": (server, b"", b""),
-                      "shared_memory": False}
+            self._remote = {"cmd_addr": cmd, "reply_addr": reply,
+                            "curve": (server, b"", b""), "shared_memory": False}
         boots = []
         for hosted in group.ranks:
             self.ranks.adopt(hosted)
-            boots.append(self._bootstrap(
-                hosted.rank, master_addr=group.ranks[0].address if remote else "",
-                device_index=0 if group.own_gpus else None,  # its own GPUs alone (ray_view)
-                **({} if hosted.local else {**remote, "runner_pid": hosted.host_pid})))
+            boots.append(self._bootstrap(hosted.rank, **self._placed(hosted.rank)))
         group.watch(self.ranks.watch.notice)
         bounds = {MAX_FRAME_ENV: str(wire.MAX_FRAME), MAX_MESSAGE_ENV: str(wire.MAX_MESSAGE)}
         group.launch(boots, {**bounds, **self._env}, self._launch_prefix,
                      timeouts.for_library(max(deadline - time.monotonic(), 0.01)))
+
+    def _placed(self, rank: int) -> dict[str, Any]:
+        """A Ray-placed rank's own bootstrap fields: on another node than the runner,
+        the bus over TCP (CurveZMQ); its own GPUs alone (ray_view)."""
+        assert self.placement is not None
+        group, remote = self.placement, self._remote
+        hosted = group.ranks[rank]
+        return dict(master_addr=group.ranks[0].address if remote else "",
+                    device_index=0 if group.own_gpus else None,
+                    **({} if hosted.local else {**remote, "runner_pid": hosted.host_pid}))
 
     def _bootstrap(self, rank: int, **placed: Any) -> Bootstrap:
         """Rank ``rank``'s bootstrap; ``placed``: a Ray-placed rank's own fields."""
@@ -211,48 +271,6 @@ class Transport:
         boot = self._bootstrap(rank)
         self.ranks.spawn(rank, boot.to_bytes(), master_port=master_port, env=self._env,
                          gpus=self._gpus, launch_prefix=self._launch_prefix)
-
-    def handshake(self, kind: str, timeout: float, stated_timeout: float | None,
-                  command: dict[str, Any], acks: str = "",
-                  first_error: bool = False) -> Replies:
-        """Start-up: wait for ``kind`` from every rank, publishing ``command`` once per
-        PING_EVERY (a fixed pace: arrivals do not hasten it) until each rank has sent
-        ``kind`` or ``acks``.  A command that meets a full pipe is simply tried again at
-        the next beat (Bus.try_publish); none is ever lost.  With ``first_error`` a
-        RAISED answer ends the wait at once (a failed load() makes the rest pointless)."""
-        assert self.ranks is not None and self.bus is not None
-        replies: Replies = {}
-        heard: set[int] = set()  # ranks that have the command
-        deadline = time.monotonic() + timeout
-        beat = time.monotonic()  # when the command is next due
-        while len(replies) < self.world_size:
-            now = time.monotonic()
-            sending = len(heard) < self.world_size
-            if sending and now >= beat:
-                self.publish_start_command(dict(command))
-                beat += PING_EVERY
-                if beat <= now:  # fell behind (a slow receive): no burst to catch up
-                    beat = now + PING_EVERY
-            left = deadline - now
-            if left <= 0:
-                silent = [r for r in range(self.world_size) if r not in replies]
-                raise self.timed_out(silent, stated_timeout, "start()", replies)
-            wait = min(left, beat - now) if sending else left
-            message = self.bus.receive(timeouts.wait_ms(max(wait, 0.0)))
-            if message is None:
-                continue
-            header, rank = message[0], message[0][Field.RANK]
-            if header[Field.KIND] in (kind, acks):
-                heard.add(rank)
-            if header[Field.KIND] == kind and rank not in replies:
-                replies[rank] = message
-                if first_error and header.get(Field.STATUS) == Status.RAISED:
-                    return {rank: message}
-            elif header[Field.KIND] == Kind.PROGRESS and self.display is not None:
-                self.display.update(header)
-            elif header[Field.KIND] == Kind.DEATH:
-                raise self.crashed(self.ranks.dead() or [rank], "start()")
-        return replies
 
     def publish_start_command(self, header: dict[str, Any]) -> None:
         """One try at PING or INIT (counted when sent); a full pipe waits for the next beat."""
@@ -310,6 +328,13 @@ class Transport:
         return timeout_error(headline, {}, None, self.ranks.stacks(suspects))
 
     # -- end -----------------------------------------------------------------------------
+    def end_ranks(self) -> None:
+        """A restart failed: every rank ends now (the bus and files stay until close())."""
+        if self.ranks is not None:
+            self.ranks.end(0.0)
+        if self.placement is not None:
+            self.placement.end_ranks()
+
     def close(self, graceful: bool) -> None:
         """End every process and remove every file; safe to call in any state, twice."""
         if os.getpid() != self.owner_pid:

@@ -1,0 +1,96 @@
+"""restart(): bring the ranks back to what start() leaves, keeping those that are fine.
+
+The caller's side of one restart (the call queue holds every call meanwhile)::
+
+    caller                                                ranks
+    DROP (SEQ: the last call sent) ------------------->  each skips calls up to it
+    who keeps its model (only if the worker defines rejoin()): alive, and answers
+      a PING within the grace period (a rank stuck in a collective does not)
+    end the others; forget what they held (rank 0 ended: its result segments go)
+    start a replacement per ended rank (same rank, GPU, Ray bundle), new epoch
+    PING -> PONG from each replacement (rank 0's: its store port across nodes)
+    rank 0 kept: REJOIN [0] -> PROGRESS (its new store's port)
+    REJOIN [kept], INIT [replaced] (EPOCH, PORT) ------>  kept: leave the old group,
+                                                           join the new, rejoin()
+                                                          replaced: join, load()
+    REJOINED (kept), READY (replaced) <----------------
+
+A kept rank keeps its process and its worker object: its tensors, weights, compiled
+code and caches.  It must rebuild in ``rejoin()`` whatever depends on the old group:
+sub-groups, communicators, and any state of the step that failed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from . import timeouts
+from .errors import WorkerTimeout
+from .handshake import Ask, exchange
+from .protocol import Field, Kind
+from .transport import raise_first_error
+
+if TYPE_CHECKING:
+    from .transport import Transport
+
+
+class Restarted(NamedTuple):
+    """What one restart did (for the log record and ``stats()``)."""
+
+    replaced: list[int]  # ranks that got a new process and ran load()
+    kept: list[int]  # ranks that kept their process and model (rejoin())
+    seconds: float
+
+
+def restart(transport: Transport, *, rejoin: bool, grace: float, timeout: float | None,
+            last_seq: int, other: Callable[[dict[str, Any]], None]) -> Restarted:
+    """Replace the ranks that are gone (every rank, without ``rejoin``); raises what
+    start() would, or WorkerCrashed / WorkerTimeout."""
+    began = time.monotonic()
+    deadline = timeouts.deadline_of(timeout)
+    bus, ranks = transport.bus, transport.ranks
+    assert bus is not None and ranks is not None
+    bus.try_publish({Field.KIND: Kind.DROP, Field.SEQ: last_seq})  # full pipe: replaced
+    ranks.watch.close()  # deaths from here on are this restart's business
+    alive = [r for r, proc in enumerate(ranks.procs) if proc.alive()]
+    kept = responsive(transport, alive, min(grace, max(deadline - began, 0.0)), other) \
+        if rejoin and alive else []
+    replaced = [r for r in range(transport.world_size) if r not in kept]
+    transport.replace(replaced)
+    epoch = transport.epoch
+    pongs = transport.ping(frozenset(replaced), deadline, timeout, "restart()", other)
+    port = (pongs[0][0].get(Field.PORT) or 0) if 0 in pongs else 0
+    rejoin_command = {Field.KIND: Kind.REJOIN, Field.SEQ: 0, Field.EPOCH: epoch}
+    progress = frozenset({Kind.PROGRESS})
+    if 0 in kept:  # rank 0 opens the new group's store first (across nodes: a new port)
+        told = exchange(transport, [Ask({**rejoin_command, Field.RANKS: [0]}, Kind.PROGRESS,
+                                        frozenset({0}))],
+                        deadline - time.monotonic(), timeout, "restart()", other=other)
+        port = told[0][0].get(Field.PORT) or 0
+    asks = [Ask({Field.KIND: Kind.INIT, Field.SEQ: 0, Field.EPOCH: epoch, Field.PORT: port,
+                 Field.RANKS: replaced}, Kind.READY, frozenset(replaced), progress)]
+    if kept:
+        others = [r for r in kept if r != 0]
+        asks.append(Ask({**rejoin_command, Field.PORT: port, Field.RANKS: others},
+                        Kind.REJOINED, frozenset(others), progress))
+        if 0 in kept:  # has its REJOIN: nothing more to send it
+            asks.append(Ask({}, Kind.REJOINED, frozenset({0}), progress))
+    answers = exchange(transport, asks, deadline - time.monotonic(), timeout, "restart()",
+                       first_error=True, other=other)
+    raise_first_error(answers)
+    return Restarted(replaced, kept, time.monotonic() - began)
+
+
+def responsive(transport: Transport, alive: list[int], grace: float,
+               other: Callable[[dict[str, Any]], None]) -> list[int]:
+    """The ranks of ``alive`` that answer a PING within ``grace`` seconds: a rank still
+    inside the failed step (a collective with a peer that is gone) answers once it
+    leaves it; one that does not in time is replaced."""
+    try:
+        pongs = transport.ping(frozenset(alive), time.monotonic() + grace, grace,
+                               "restart()", other, partial=True)
+    except WorkerTimeout:
+        return []
+    return sorted(r for r in pongs if transport.ranks.procs[r].alive())  # type: ignore[union-attr]
