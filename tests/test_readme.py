@@ -42,6 +42,12 @@ def test_streaming_example_runs_as_printed(tmp_path):
         "(2, 8, 8, 3) 0", "(2, 8, 8, 3) 2", "(2, 8, 8, 3) 4", "3"]
 
 
+def test_recovering_from_a_fault_example_runs_as_printed(tmp_path):
+    (block,) = readme_blocks("Recovering from a fault")
+    assert run_block(tmp_path, block).splitlines() == [
+        "('a', 1)", "the session lost its state; tell the user, carry on", "('b', 1) 1"]
+
+
 def test_asyncio_example_runs_as_printed(tmp_path):
     (block,) = readme_blocks("asyncio")
     assert run_block(tmp_path, block).splitlines() == ["[0, 2, 4]", "42"]
