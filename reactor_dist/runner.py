@@ -3,12 +3,14 @@
 States::
 
     new --start()--> ready --crash / timeout / desync--> unusable
-     |                 |                                    |
-     +-----------------+------------- shutdown() ---------> closed
+     |                ^  |                                  |
+     |                +--|---- restarting <--- restart() ---+ (or max_restarts)
+     +-------------------+------------- shutdown() ---------> closed
 
 Only ``ready`` accepts calls.  An unusable or closed runner refuses every call
 at once with a RuntimeError that says "unusable" and chains the failure that
-made it so; it never restarts a rank nor replays a step.  The state, the order of
+made it so; ``restart()`` brings an unusable runner back
+(:mod:`reactor_dist.restarts`); a step is never replayed.  The state, the order of
 calls and their waits belong to one :class:`~reactor_dist.call_queue.CallQueue`;
 every method here is a thin layer over it, and the ranks' processes belong to
 :class:`~reactor_dist.transport.Transport`.
