@@ -46,6 +46,7 @@ class Settings:
     baseline_transfer_warmup: int = 1
     baseline_transfer_iters: tuple[int, ...] = (30, 12, 7)
     crash_trials: int = 8
+    recovery_trials: int = 2  # each of (a), (b), (c) per trial, in alternating order
     timeout_trials: int = 3
     call_timeout_s: float = 0.5
     sink_world_sizes: tuple[int, ...] = (2, 4)  # input broadcast
@@ -81,6 +82,7 @@ QUICK = Settings(
     baseline_transfer_warmup=0,
     baseline_transfer_iters=(3, 3),
     crash_trials=3,
+    recovery_trials=1,
     timeout_trials=1,
     sink_world_sizes=(2,),
     startup_world_sizes=(2,),

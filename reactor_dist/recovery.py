@@ -4,10 +4,11 @@ The caller's side of one restart (the call queue holds every call meanwhile)::
 
     caller                                                ranks
     DROP (SEQ: the last call sent) ------------------->  each skips calls up to it
+    a new epoch: the old death watch ends, its notices are stale
     who keeps its model (only if the worker defines rejoin()): alive, and answers
       a PING within the grace period (a rank stuck in a collective does not)
     end the others; forget what they held (rank 0 ended: its result segments go)
-    start a replacement per ended rank (same rank, GPU, Ray bundle), new epoch
+    start a replacement per ended rank (same rank, GPU, Ray bundle)
     PING -> PONG from each replacement (rank 0's: its store port across nodes)
     rank 0 kept: REJOIN [0] -> PROGRESS (its new store's port)
     REJOIN [kept], INIT [replaced] (EPOCH, PORT) ------>  kept: leave the old group,
@@ -53,7 +54,8 @@ def restart(transport: Transport, *, rejoin: bool, grace: float, timeout: float 
     bus, ranks = transport.bus, transport.ranks
     assert bus is not None and ranks is not None
     bus.try_publish({Field.KIND: Kind.DROP, Field.SEQ: last_seq})  # full pipe: replaced
-    ranks.watch.close()  # deaths from here on are this restart's business
+    ranks.watch.close()  # deaths from here on are this restart's business:
+    transport.epoch += 1  # the old watch's notices are stale from now on
     alive = [r for r, proc in enumerate(ranks.procs) if proc.alive()]
     kept = responsive(transport, alive, min(grace, max(deadline - began, 0.0)), other) \
         if rejoin and alive else []

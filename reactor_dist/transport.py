@@ -175,14 +175,13 @@ class Transport:
         return pongs
 
     def replace(self, ranks: list[int]) -> None:
-        """restart(): ``ranks`` get a new process each (same rank, GPU, bundle); the
-        others keep theirs.  A new epoch: the death watch of the old one is stale,
-        and what the ended ranks held is forgotten (rank 0's result segments too)."""
+        """restart(), in a new ``epoch``: ``ranks`` get a new process each (same rank,
+        GPU, bundle); the others keep theirs, under a new death watch.  What the ended
+        ranks held is forgotten (rank 0's result segments too)."""
         old = self.ranks
         assert old is not None
         old.watch.close()
         end_ranks([old.procs[r] for r in ranks if not old.procs[r].hosted], term_grace=0.2)
-        self.epoch += 1
         self.ranks = self.new_ranks()
         self.inputs.forget(ranks)
         if 0 in ranks:

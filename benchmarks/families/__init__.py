@@ -18,6 +18,7 @@ from benchmarks.families import (
     frames,
     overhead,
     placement,
+    recovery,
     startup,
     streaming,
     timings,
@@ -33,4 +34,5 @@ FAMILIES: tuple[tuple[str, ModuleType], ...] = (
     ("failure notice", failure),
     ("start-up", startup),
     ("Ray placement", placement),
+    ("recovery", recovery),
 )
