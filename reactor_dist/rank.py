@@ -43,7 +43,7 @@ from .device import choose_device, wait_for_device
 from .errors import SharedSlotAllocationFailed, describe, pickle_exception
 from .group import Rendezvous
 from .progress import FORMING, IMPORTING, LOADING, Reporter
-from .protocol import Bootstrap, Field, Kind, Method, Status
+from .protocol import Bootstrap, Field, Kind, Method, Status, segments_of
 from .rank_memory import CALLER, Inbox, RankMemory
 from .validation import import_worker_class
 
@@ -160,6 +160,9 @@ class RankServer:
                 self.last_seq = header[Field.SEQ]
                 if not self.inbox.skips(header[Field.SEQ]):
                     self.call(header, body)
+                else:  # never run: what it names goes back as if it had been
+                    self.memory.apply(header)
+                    self.inputs.release(segments_of(header.get(Field.DESCRIPTORS)))
             elif kind == Kind.SHUTDOWN:
                 break
         self.close()
