@@ -166,19 +166,20 @@ def test_a_same_type_raise_fails_that_call_alone_and_the_calls_behind_it_run(log
     assert seen_by_every_rank(log_dir) == ["raise on None", "nap 'second'", "'third'", "'after'"]
 
 
-def test_a_rank_sigkilled_during_the_first_call_fails_every_call_in_flight(log_dir):
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_sigkilled_during_the_first_call_fails_every_call_in_flight(victim, log_dir):
     with runner_for(log_dir, max_in_flight=3) as runner:
         assert runner.generate("warm") == "warm"  # call 1
-        futures = [runner.submit(Nap(5.0, "first")),  # call 2: rank 1 dies in it
+        futures = [runner.submit(Nap(5.0, "first")),  # call 2: the victim dies in it
                    runner.submit("second"), runner.submit(Nap(0, "third"))]
-        wait_until_started(log_dir, "nap 'first'", rank=1)
-        os.kill(Probe(runner).rank_pids[1], signal.SIGKILL)
+        wait_until_started(log_dir, "nap 'first'", rank=victim)
+        os.kill(Probe(runner).rank_pids[victim], signal.SIGKILL)
         killed = time.monotonic()
         errors = [f.exception(timeout=WAY_OUT) for f in futures]
         all_failed = time.monotonic()
         assert [type(e) for e in errors] == [WorkerCrashed] * 3, errors
         assert all_failed - killed < 1.0, f"{all_failed - killed:.2f} s after the kill"
-        assert "rank 1 died during generate() (call 2)" in str(errors[0])
+        assert f"rank {victim} died during generate() (call 2)" in str(errors[0])
         assert "killed by SIGKILL" in str(errors[0])
         for exc in errors[1:]:
             assert call_named(exc, 2), str(exc)  # names the call that broke the runner
@@ -250,6 +251,19 @@ def test_a_queue_that_stays_full_raises_call_queue_full_and_the_runner_stays_hea
     assert seen_by_every_rank(log_dir) == ["nap 'a'", "nap 'b'", "'after'"]
 
 
+def test_ctrl_c_while_submit_waits_for_room_sends_nothing(log_dir):
+    with runner_for(log_dir, max_in_flight=1) as runner:
+        running = runner.submit(Nap(0.6, "running"))
+        with interrupt_after(0.1), pytest.raises(KeyboardInterrupt):
+            runner.submit("never sent")
+        assert runner.healthy
+        assert runner.wait_idle(0.05) is False  # the ranks still run the first call
+        assert running.result(timeout=WAY_OUT) == "running"
+        assert runner.wait_idle(10) is True
+        assert runner.generate("after") == "after"
+    assert seen_by_every_rank(log_dir) == ["nap 'running'", "'after'"]
+
+
 # -- streams in the queue -----------------------------------------------------------------------
 def test_a_stream_in_flight_behind_a_generate_and_ahead_of_another(log_dir):
     with runner_for(log_dir, max_in_flight=3) as runner:
@@ -283,6 +297,35 @@ def test_a_stream_left_early_while_a_call_is_queued_behind_it(log_dir):
         assert runner.generate("after") == "after"
         assert runner.healthy
     assert seen_by_every_rank(log_dir) == ["items 6", "nap 'behind'", "items 6", "'after'"]
+
+
+def test_an_astream_between_two_agenerates_and_one_left_early(log_dir):
+    async def main() -> None:
+        async with runner_for(log_dir, max_in_flight=3) as runner:
+            async def items() -> list:
+                return [i async for i in runner.astream(Items(3, pause=0.05))]
+
+            first = asyncio.create_task(runner.agenerate(Nap(0.3, "first")))
+            await asyncio.sleep(0)  # each task asks in turn
+            streamed = asyncio.create_task(items())
+            await asyncio.sleep(0)
+            third = asyncio.create_task(runner.agenerate(Nap(0, "third")))
+            done = await asyncio.wait_for(asyncio.gather(first, streamed, third), WAY_OUT)
+            assert done == ["first", [0, 1, 2], "third"]
+            # Left early with a call behind it: await_idle() waits for the ranks.
+            stream = runner.astream(Items(6, pause=0.15))
+            assert await stream.__anext__() == 0
+            behind = asyncio.create_task(runner.agenerate(Nap(0, "behind")))
+            await asyncio.sleep(0)
+            await stream.aclose()
+            assert await runner.await_idle(0.05) is False
+            assert await asyncio.wait_for(behind, WAY_OUT) == "behind"
+            assert await runner.await_idle(10) is True
+            assert runner.healthy
+
+    asyncio.run(main())
+    assert seen_by_every_rank(log_dir) == ["nap 'first'", "items 3", "nap 'third'", "items 6",
+                                           "nap 'behind'"]
 
 
 # -- Ctrl-C and cancellation --------------------------------------------------------------------
