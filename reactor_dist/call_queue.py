@@ -161,6 +161,9 @@ class CallQueue:
         with self.lock:
             if self.state == CLOSED:
                 return
+            if self.state == READY and self.in_flight and self.path is not None:
+                # The ranks skip the calls that failed here, rather than run them first.
+                self.path.bus.try_publish({Field.KIND: Kind.DROP, Field.SEQ: self.path.seq})
             self.state = CLOSED
             self._fail_in_flight(lambda call: RuntimeError(
                 f"{call.what} was still in flight when the runner was shut down: it has no "
