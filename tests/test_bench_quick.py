@@ -37,6 +37,13 @@ def test_quick_bench_runs_and_writes_results(tmp_path: Path) -> None:
         [line] = [ln for ln in text.splitlines() if ln.startswith(f"| {case} |")]
         if "first item" in case or "runner.a" in case:
             assert line.rstrip(" |").endswith(("| yes", "| NO")), line
+    # The pipelined-steps rows: with two in flight the goal is judged, the others inform.
+    for cw in ("C=40 ms, W=10 ms", "C=20 ms, W=20 ms"):
+        for loop in ("generate, then work", "submit ahead, max_in_flight=1",
+                     "submit ahead, max_in_flight=2"):
+            [line] = [ln for ln in text.splitlines() if ln.startswith(f"| {cw}: {loop} |")]
+            judged = line.rstrip(" |").endswith(("| yes", "| NO"))
+            assert judged == loop.endswith("=2"), line
     assert "Problems in this run" not in text
     assert "generate(1), world_size 2" in proc.stdout  # the table reached stdout
     assert (REPO / "README.md").read_bytes() == readme_before  # only a full run writes it
