@@ -42,6 +42,12 @@ def test_streaming_example_runs_as_printed(tmp_path):
         "(2, 8, 8, 3) 0", "(2, 8, 8, 3) 2", "(2, 8, 8, 3) 4", "3"]
 
 
+def test_pipelining_example_runs_as_printed(tmp_path):
+    (block,) = readme_blocks("Pipelining")
+    assert run_block(tmp_path, block).splitlines() == [
+        "chunk 0 chunk 1", "chunk 2", "chunk 3", "chunk 4 True"]
+
+
 def test_asyncio_example_runs_as_printed(tmp_path):
     (block,) = readme_blocks("asyncio")
     assert run_block(tmp_path, block).splitlines() == ["[0, 2, 4]", "42"]
