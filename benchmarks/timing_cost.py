@@ -23,7 +23,7 @@ import sys
 import time
 
 from reactor_dist import DistributedRunner, DistributedWorker
-from reactor_dist.calls import CallPath, PendingCall
+from reactor_dist.calls import Call, compute_seconds
 from reactor_dist.protocol import Field
 from reactor_dist.timings import Recorder
 
@@ -35,9 +35,7 @@ class Echo(DistributedWorker):
 
 def bookkeeping_ns(world_size: int, iterations: int = 200_000) -> float:
     """Nanoseconds of the caller's timing bookkeeping per call, in process."""
-    path = CallPath()
-    path.world_size = world_size
-    pending = PendingCall(1, "generate", None, 1.0, 1.001)
+    pending = Call(1, "generate", None, 1.0, 1.001)
     pending.replies = {r: ({Field.COMPUTE: 0.01 + r * 1e-4}, []) for r in range(world_size)}
     recorder = Recorder(world_size)
     clock = time.perf_counter
@@ -45,7 +43,7 @@ def bookkeeping_ns(world_size: int, iterations: int = 200_000) -> float:
     for _ in range(iterations):
         answered = clock()
         recorder.record(pending.started, pending.sent, answered, clock(),
-                        path.compute(pending))
+                        compute_seconds(pending, world_size))
     return (clock() - began) / iterations * 1e9
 
 

@@ -8,6 +8,7 @@ as the exceptions below (never as a hang).
 """
 
 from .errors import (
+    CallQueueFull,
     FileLimitTooLow,
     MainGuardMissing,
     PlacementFailed,
@@ -23,6 +24,7 @@ from .runner import DistributedRunner
 from .worker import DistributedWorker, share_cpu_cores
 
 __all__ = [
+    "CallQueueFull",
     "DistributedRunner",
     "DistributedWorker",
     "FileLimitTooLow",

@@ -1,192 +1,102 @@
-"""asyncio: calls that never block the event loop, with no thread per call.
+"""asyncio: the call queue's waits for a task, never blocking the event loop.
 
-A call is published as in the synchronous path, then its replies are taken without
-blocking whenever the PULL socket has some: the loop watches the socket's file
-descriptor (``loop.add_reader``) and ZeroMQ's ``EVENTS`` says whether a message is
-really there (the descriptor only says "something changed").  A death notice
-arrives on the same socket, so a crash wakes the waiting task at once.
+A task takes its turn and publishes like a thread (:mod:`reactor_dist.call_queue`),
+then waits: it takes whatever the reply socket has without blocking, and otherwise
+awaits a :class:`~reactor_dist.receiving.Waker` that the loop's reader on the socket's
+descriptor, or a dispatch in another thread or task, sets.  A death notice arrives on
+the same socket, so a crash wakes the waiting task at once.  Up to ``max_in_flight``
+calls of different tasks are in flight together, sent in the order the tasks asked.
 
-Tasks take turns through one ``asyncio.Lock`` (first come, first served); a sync
-call from another thread waits for an async call like for a stream.  Cancelling
-a task that awaits a call raises CancelledError in it at once and leaves the
-runner healthy: the ranks finish the step, and its late reply is discarded by
-its sequence number, as after a Ctrl-C.  ``astart``/``ashutdown`` run the
-blocking start-up and shutdown in a worker thread (once per runner, not per call).
+Cancelling a task raises CancelledError in it at once and leaves the runner healthy:
+a call already sent still runs on the ranks and counts as in flight until they
+answer it (its answer is discarded); a call still waiting for its turn is never sent.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
+import contextlib
 import time
-import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-import zmq
-
-from . import timeouts
-from .calls import PendingCall
-from .errors import WorkerCrashed, WorkerTimeout
-from .outcome import judge
+from .call_queue import READY, CallQueue
+from .calls import Call
 from .protocol import Method
-from .stream import handed_out
-from .transport import Transport
-
-if TYPE_CHECKING:
-    from .runner import DistributedRunner
-
-OTHER_THREAD_POLL = 0.005  # how often a task looks whether another thread's call ended
+from .receiving import Waker
+from .stream import hand_out
 
 
-class Readable:
-    """Wakes a task when the PULL socket may have a message: the loop watches the
-    socket's descriptor for the whole call, and ZeroMQ's EVENTS says whether a message
-    is really there (the descriptor only says that something changed)."""
-
-    def __init__(self, sock: zmq.Socket, fd: int) -> None:
-        self.sock = sock
-        self.loop = asyncio.get_running_loop()
-        self.fd = fd
-        self.woken: asyncio.Future | None = None
-        self.loop.add_reader(fd, self._wake)
-
-    def _wake(self) -> None:
-        if self.woken is not None and not self.woken.done():
-            self.woken.set_result(None)
-
-    async def wait(self, timeout: float | None) -> None:
-        """Until a message may be there, or ``timeout`` seconds passed (the caller has
-        just seen that none is)."""
-        self.woken = woken = self.loop.create_future()
-        timer = None if timeout is None else \
-            self.loop.call_later(timeouts.slice_of(timeout), self._wake)  # the caller loops on
-        try:
-            await woken
-        finally:
-            self.woken = None
-            if timer is not None:
-                timer.cancel()
-
-    def close(self) -> None:
-        self.loop.remove_reader(self.fd)
-
-
-async def collect(transport: Transport, pending: PendingCall, until_item: bool = False) -> None:
-    """:meth:`Transport.collect` for a task: the same rules, the loop never blocked."""
-    bus = transport.bus
-    assert bus is not None
-    timeout = pending.timeout
-    deadline = None if timeout is None else time.monotonic() + timeout
-    readable = Readable(bus.pull, bus.pull_fd)
+async def wait(queue: CallQueue, satisfied: Callable[[], bool],
+               give_up: float | None = None) -> bool:
+    """Until ``satisfied()`` (True) or the monotonic ``give_up`` (False), receiving
+    whatever has arrived whenever nobody else receives."""
+    receiver = queue.receiver
+    waker = Waker(asyncio.get_running_loop())
+    with queue.lock:
+        receiver.add_waker(waker)
     try:
-        while len(pending.replies) < transport.world_size:
-            transport.flush()
-            # Ask ZeroMQ first: a receive that finds nothing costs an exception.
-            if not bus.pull_events() & zmq.POLLIN:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    silent = [r for r in range(transport.world_size)
-                              if r not in pending.replies]
-                    raise transport.timed_out(silent, timeout, pending.what, pending.replies)
-                await readable.wait(left)
-                continue
-            message = bus.receive(0)
-            if message is None:
-                continue  # a stranger's message, dropped
-            header, body = transport.arrived(message)
-            if transport.take(pending, header, body):
-                if until_item:
-                    return
-                if timeout is not None:
-                    deadline = time.monotonic() + timeout
-    finally:
-        readable.close()
-
-
-class Turn:
-    """One task's turn at the runner: other tasks queue behind it, other threads wait."""
-
-    def __init__(self, runner: DistributedRunner, what: str) -> None:
-        self.runner, self.what = runner, what
-        self.thread = threading.get_ident()
-        self._entered = False
-
-    async def __aenter__(self) -> Turn:
-        await self.runner._task_lock().acquire()
-        self._entered = True
-        return self
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        self.leave()
-
-    def leave(self) -> None:
-        runner = self.runner
-        with runner._lock:
-            ref = runner._open
-            if ref is not None and ref() in (self, None):
-                runner._open = None
-                runner._turn.notify_all()
-        if self._entered:
-            self._entered = False
-            runner._task_lock().release()
-
-    async def send(self, method: str, value: Any, timeout: float | None) -> PendingCall:
-        """Publish once no other thread's stream or call is open and a stream left early
-        has ended (awaited, never blocking the loop)."""
-        from .runner import READY
-
-        runner, transport = self.runner, self.runner._transport
-        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            with runner._lock:
-                holder = runner._open() if runner._open is not None else None
-                if holder is None or holder.thread == threading.get_ident():
-                    if runner._state[0] != READY or runner._abandoned is None:
-                        pending = runner._send(method, value, timeout)  # raises if unusable
-                        runner._open = weakref.ref(self)
-                        return pending
-                    abandoned, runner._abandoned = runner._abandoned, None
-                else:
-                    abandoned = None
-            if abandoned is None:  # another thread's stream or call is open
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(
-                        f"{holder.what} is still open in another thread after {timeout:g} s: "
-                        f"this call waited for it and gave up (nothing was sent; the runner "
-                        f"stays healthy)")
-                await asyncio.sleep(OTHER_THREAD_POLL)
-                continue
-            abandoned.abandon()
-            try:
-                await collect(transport, abandoned)
-            except (WorkerCrashed, WorkerTimeout) as exc:
-                runner._break(exc)
-                raise  # keeps its __cause__
-            verdict = judge(abandoned.method, transport.outcomes(abandoned))
-            if verdict.breaks:
-                raise runner._break(verdict.error)
+            with queue.lock:
+                ready = receiver.poll(satisfied, give_up)
+            queue.settle_futures()
+            if ready is True or ready is False:
+                return ready
+            await waker.wait(ready)
+    finally:
+        with queue.lock:
+            receiver.remove_waker(waker)
 
 
-async def call(runner: DistributedRunner, method: str, value: Any,
-               timeout: float | None) -> Any:
-    async with Turn(runner, f"{method}()") as turn:
-        pending = await turn.send(method, value, timeout)
-        try:
-            await collect(runner._transport, pending)
-        except (WorkerCrashed, WorkerTimeout) as exc:
-            runner._break(exc)
-            raise  # keeps its __cause__
-        return runner._answer(pending)
+async def send(queue: CallQueue, method: str, value: Any, timeout: float | None) -> Call:
+    """:meth:`CallQueue.send` for a task: its turn is awaited, never blocking the loop."""
+    turn = object()
+    with queue.lock:
+        queue.check_usable()
+        queue.turns.append(turn)
+    try:
+        give_up = None if timeout is None else time.monotonic() + timeout
+        if not await wait(queue, lambda: queue.my_turn(turn), give_up):
+            raise queue.queue_full(method, timeout)
+        with queue.lock:
+            return queue.publish(turn, method, value, timeout, None)
+    finally:
+        with queue.lock:
+            queue.leave_turn(turn)
+
+
+async def call(queue: CallQueue, method: str, value: Any, timeout: float | None) -> Any:
+    sent = await send(queue, method, value, timeout)
+    try:
+        await wait(queue, lambda: sent.done)
+    except BaseException:  # cancelled: the ranks still run it
+        with queue.lock:
+            queue.leave(sent)
+        raise
+    return sent.result()
+
+
+async def wait_idle(queue: CallQueue, timeout: float | None) -> bool:
+    """:meth:`CallQueue.wait_idle` for a task."""
+    with queue.lock:
+        queue.check_usable()
+        if not queue.in_flight:
+            return True
+        last = queue.in_flight[-1]
+    give_up = None if timeout is None else time.monotonic() + timeout
+    idle = await wait(queue, lambda: last.done or queue.state != READY, give_up)
+    if queue.state != READY:
+        queue.check_usable()  # raises, chaining the failure
+    return idle
 
 
 class AsyncStream:
     """``async for item in runner.astream(x)``: :class:`reactor_dist.stream.Stream`'s
-    rules, awaited.  The call starts at the first ``__anext__``."""
+    rules, awaited.  The call is sent at the first ``__anext__``."""
 
-    def __init__(self, runner: DistributedRunner, value: Any, timeout: float | None) -> None:
-        self._runner, self._value, self._timeout = runner, value, timeout
-        self._turn: Turn | None = None
-        self._pending: PendingCall | None = None
+    def __init__(self, queue: CallQueue, value: Any, timeout: float | None) -> None:
+        self._queue, self._value, self._timeout = queue, value, timeout
+        self._call: Call | None = None
         self._done = False
 
     def __aiter__(self) -> AsyncStream:
@@ -203,58 +113,40 @@ class AsyncStream:
     async def __anext__(self) -> Any:
         if self._done:
             raise StopAsyncIteration
-        runner = self._runner
-        if self._turn is None:
-            self._turn = Turn(runner, "astream()")
-            await self._turn.__aenter__()
+        queue = self._queue
+        if self._call is None:
             try:
-                self._pending = await self._turn.send(Method.GENERATE, self._value,
-                                                      self._timeout)
+                self._call = await send(queue, Method.GENERATE, self._value, self._timeout)
             except BaseException:
-                self._end()
+                self._done = True
                 raise
-        pending = self._pending
-        assert pending is not None
-        transport = runner._transport
+        sent = self._call
         try:
-            while not pending.items and len(pending.replies) < transport.world_size:
-                await collect(transport, pending, until_item=True)
-            item = transport.next_item(pending)  # never waits now
-        except (WorkerCrashed, WorkerTimeout) as exc:
-            self._end()
-            runner._break(exc)
-            raise  # keeps its __cause__
-        except (asyncio.CancelledError, KeyboardInterrupt):
-            self._end()  # like a Ctrl-C: the late messages are discarded
+            await wait(queue, lambda: bool(sent.items) or sent.done)
+        except BaseException:  # cancelled: the step goes on, its items go back unread
+            self.close()
             raise
-        except Exception:
-            await self.aclose()  # an item that did not unpickle here: the step goes on
-            raise
-        return handed_out(self, pending, item, StopAsyncIteration)
+        with queue.lock:
+            more = bool(sent.items)
+            item = sent.items.popleft() if more else None
+        return hand_out(self, more, item, StopAsyncIteration)
 
     async def aclose(self) -> None:
         """Leave the stream: the step still ends on every rank, its other items unread."""
         self.close()
 
     def close(self) -> None:
-        pending = self._pending
-        if pending is not None and not self._done:
-            runner = self._runner
-            with runner._lock:
-                if pending.seq == runner._transport.seq:
-                    runner._abandoned = pending
-        self._end()
-
-    def _end(self) -> None:
+        sent, self._call = self._call, None
         self._done = True
-        self._pending = None
-        turn, self._turn = self._turn, None
-        if turn is not None:
-            turn.leave()
+        if sent is not None:
+            self._queue.leave_soon(sent)
+
+    def _ended(self) -> Call | None:
+        sent, self._call = self._call, None
+        self._done = True
+        return sent
 
     def __del__(self) -> None:
         if not getattr(self, "_done", True):
-            try:
+            with contextlib.suppress(Exception):  # never raise from a finalizer
                 self.close()
-            except Exception:
-                pass  # never raise from a finalizer

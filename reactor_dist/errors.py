@@ -45,6 +45,11 @@ class RankDesync(ReactorDistError, RuntimeError):
     rank_errors: dict[int, BaseException] = {}  # replaced per instance
 
 
+class CallQueueFull(ReactorDistError, TimeoutError):
+    """A call waited its whole ``timeout`` for a place among the ``max_in_flight`` calls
+    in flight.  Nothing was sent and the ranks are fine: the runner stays healthy."""
+
+
 class SharedSlotAllocationFailed(ReactorDistError, MemoryError):
     """/dev/shm cannot hold a payload. Nothing was sent; the runner stays healthy."""
 
@@ -140,18 +145,19 @@ def rebuild_exception(info: ErrorRecord, data: bytes | None, rank: int) -> BaseE
 
 
 def timeout_error(headline: str, raised: dict[int, tuple[ErrorRecord, bytes | None]],
-                  interrupted: tuple[int, list[int]] | None, stacks: str) -> WorkerTimeout:
+                  running: tuple[int, list[int], bool] | None, stacks: str) -> WorkerTimeout:
     """A WorkerTimeout whose text and attributes keep what the other ranks did: each
     rank that raised meanwhile (``rank_errors``, the first as ``__cause__``, its message
-    and remote traceback in the text), and ranks still running an interrupted call."""
+    and remote traceback in the text), and the call the ranks still ran instead
+    (``running``: its number, its silent ranks, whether its caller left it)."""
     errors = {rank: rebuild_exception(record, data, rank)
               for rank, (record, data) in raised.items()}
     note = ""
-    if interrupted is not None:
-        seq, ranks = interrupted
-        note += (f" (the ranks are still running the interrupted call {seq}: rank "
-                 f"{', '.join(map(str, ranks))} never answered it, and a rank runs one call "
-                 f"at a time; runner.wait_idle() waits for that)")
+    if running is not None:
+        seq, ranks, interrupted = running
+        note += (f" (the ranks are still running the {'interrupted ' if interrupted else ''}"
+                 f"call {seq}: rank {', '.join(map(str, ranks))} never answered it, and a "
+                 f"rank runs one call at a time; runner.wait_idle() waits for that)")
     if raised:
         said = "; ".join(f"rank {r} raised {rec.type}: {rec.message}"
                          for r, (rec, _) in raised.items())

@@ -1,7 +1,7 @@
 """The caller's half of giving shared memory back (the rank's half and the drawing of
 the whole exchange: :mod:`reactor_dist.rank_memory`).
 
-:class:`MemoryReturn` is a part of :class:`reactor_dist.calls.CallPath`: it passes the
+:class:`MemoryReturn` belongs to :class:`reactor_dist.calls.CallPath`: it passes the
 caller's releases on to rank 0 (RELEASE), answers rank 0's STARVED, and runs a
 RECLAIM round when an input does not fit.  None of it ever waits on a full pipe but
 the reclaim round, within the call's timeout (see docs/design.md, "No command is
@@ -11,6 +11,7 @@ lost").
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .bus import CommandBlocked
@@ -22,24 +23,20 @@ if TYPE_CHECKING:
 
 
 class MemoryReturn:
-    """Set by Transport: ``bus``, ``inputs`` (our pool), ``results`` (rank 0's, mapped),
-    ``seq``, ``world_size``; ``wait`` and ``take_late`` come from CallPath."""
+    """The caller's side of the memory commands, over the bus and both ledgers (ours:
+    ``inputs``; rank 0's, mapped: ``results``).  ``seq`` tells the latest call's number;
+    ``wait_for(done, deadline)`` receives (dispatching every other message) until
+    ``done()`` or the deadline."""
 
-    bus: Bus | None
-    inputs: Ledger
-    results: Mapped
-    seq: int
-    world_size: int
-    rounds: int = 0  # RECLAIM rounds asked (reclaim())
-    hungry: int | None = None  # rank 0's STARVED round not yet answered (a full pipe)
-    reclaim_timeout: float | None = None  # the call being sent's timeout bounds a reclaim
-
-    def wait(self, deadline: float | None, what: str, replies: Any, timeout: float | None,
-             quiet: bool = False) -> tuple[Any, Any]:
-        raise NotImplementedError
-
-    def take_late(self, header: dict[str, Any], body: list) -> None:
-        raise NotImplementedError
+    def __init__(self, bus: Bus, inputs: Ledger, results: Mapped, world_size: int,
+                 seq: Callable[[], int],
+                 wait_for: Callable[[Callable[[], bool], float | None], None]) -> None:
+        self.bus, self.inputs, self.results = bus, inputs, results
+        self.world_size, self.seq, self.wait_for = world_size, seq, wait_for
+        self.rounds = 0  # RECLAIM rounds asked (reclaim())
+        self.reclaimed: set[int] = set()  # ranks that answered the latest round
+        self.hungry: int | None = None  # rank 0's STARVED round not yet answered (a full pipe)
+        self.reclaim_timeout: float | None = None  # the call being sent's timeout bounds a reclaim
 
     def flush(self) -> None:
         """Before any wait of the caller: pass on the releases, and an answer to rank 0's
@@ -57,7 +54,7 @@ class MemoryReturn:
             return
         sent = False
         try:  # a rank's full pipe: the next message carries them (never a wait here)
-            sent = self.bus.try_publish({Field.KIND: Kind.RELEASE, Field.SEQ: self.seq,
+            sent = self.bus.try_publish({Field.KIND: Kind.RELEASE, Field.SEQ: self.seq(),
                                          Field.RELEASED: released})
         finally:
             if not sent:
@@ -72,7 +69,7 @@ class MemoryReturn:
         self.hungry = starved.get(Field.ROUND)
         retired = self.inputs.retire_idle()
         released = self.results.take_released()
-        if self.bus.try_publish({Field.KIND: Kind.RELEASE, Field.SEQ: self.seq,
+        if self.bus.try_publish({Field.KIND: Kind.RELEASE, Field.SEQ: self.seq(),
                                  Field.ROUND: self.hungry, Field.RELEASED: released,
                                  Field.RETIRED: retired}):
             self.hungry = None
@@ -91,21 +88,17 @@ class MemoryReturn:
         deadline = None if timeout is None else time.monotonic() + timeout
         released, retired = self.results.take_released(), self.inputs.take_retired()
         try:
-            self.bus.publish({Field.KIND: Kind.RECLAIM, Field.SEQ: self.seq,
+            self.bus.publish({Field.KIND: Kind.RECLAIM, Field.SEQ: self.seq(),
                               Field.ROUND: self.rounds, Field.RELEASED: released,
                               Field.RETIRED: retired}, deadline=deadline)
         except CommandBlocked:  # a rank's full pipe: the allocation fails as it would
             self.results.release(released)
             self.inputs.retired_again(retired)
             return
-        answered: set[int] = set()
-        while len(answered) < self.world_size:
-            if deadline is not None and time.monotonic() >= deadline:
-                return
-            header, body = self.wait(deadline, "reclaim", {}, None, quiet=True)
-            if header is None:
-                continue
-            if header[Field.KIND] == Kind.RECLAIMED and header.get(Field.ROUND) == self.rounds:
-                answered.add(header[Field.RANK])
-            else:
-                self.take_late(header, body)
+        self.reclaimed = set()
+        self.wait_for(lambda: len(self.reclaimed) == self.world_size, deadline)
+
+    def answered(self, header: dict[str, Any]) -> None:
+        """A rank's RECLAIMED (dispatched by the call queue)."""
+        if header.get(Field.ROUND) == self.rounds:
+            self.reclaimed.add(header[Field.RANK])

@@ -8,9 +8,10 @@ States::
 
 Only ``ready`` accepts calls.  An unusable or closed runner refuses every call
 at once with a RuntimeError that says "unusable" and chains the failure that
-made it so; it never restarts a rank nor replays a step.  One call is one
-:meth:`Transport.call <reactor_dist.transport.Transport.call>` (processes, bus,
-shared memory) and one :func:`~reactor_dist.outcome.judge` (the error contract).
+made it so; it never restarts a rank nor replays a step.  The state, the order of
+calls and their waits belong to one :class:`~reactor_dist.call_queue.CallQueue`;
+every method here is a thin layer over it, and the ranks' processes belong to
+:class:`~reactor_dist.transport.Transport`.
 """
 
 from __future__ import annotations
@@ -19,23 +20,20 @@ import asyncio
 import logging
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Sequence
-from time import perf_counter
+from concurrent.futures import Future
 from types import EllipsisType
 from typing import Any
 
 from . import aio
-from .calls import PendingCall
-from .errors import WorkerCrashed, WorkerTimeout
-from .outcome import judge
+from .call_queue import CLOSED, NEW, READY, UNUSABLE, CallQueue
 from .output import OUTPUT_MODES
 from .placement import check_ray_options
 from .protocol import Method
 from .shm import DEFAULT_DIR
 from .stream import Stream
-from .timeouts import check_grace, slice_of
+from .timeouts import check_grace
 from .timeouts import check_timeout as _check_timeout
 from .timings import CallTimings, Recorder, Stats
 from .transport import Transport
@@ -47,16 +45,15 @@ from .validation import (
     locate,
 )
 
-NEW, READY, UNUSABLE, CLOSED = "new", "ready", "unusable", "closed"
 log = logging.getLogger("reactor_dist")
 _warned_auto_cpu = False
 
 
-def _close(transport: Transport, state: list[str]) -> None:
+def _close(transport: Transport, queue: CallQueue) -> None:
     """Finalizer (also at interpreter exit): never leave a process or a file behind."""
-    graceful = state[0] == READY
-    state[0] = CLOSED
+    graceful = queue.state == READY
     try:
+        queue.close()  # the calls in flight fail
         transport.close(graceful=graceful)
     except BaseException:
         # Interrupted (Ctrl-C while a rank takes its grace period): the finalizer has
@@ -73,7 +70,8 @@ class DistributedRunner:
     environment of the ranks), ``launch_prefix`` (wraps each rank's command,
     ``{rank}`` substituted), ``shm_dir``, ``keep_free_segments`` (idle warm
     segments each pool keeps), ``shutdown_grace`` (seconds a healthy group
-    gets to exit before SIGTERM) and ``rank_output`` ("stderr": each rank's lines,
+    gets to exit before SIGTERM), ``max_in_flight`` (calls sent and not yet answered,
+    at most: see :meth:`submit`) and ``rank_output`` ("stderr": each rank's lines,
     ``[rank N]``-prefixed, on this process's stderr; "log": as INFO records of the
     ``reactor_dist.rank`` logger).
 
@@ -92,7 +90,7 @@ class DistributedRunner:
                  shm_dir: str = DEFAULT_DIR, keep_free_segments: int = 2,
                  shutdown_grace: float = 5.0, rank_output: str = "stderr",
                  placement: str = "local", ray_bundle: dict[str, float] | None = None,
-                 ray_strategy: str = "PACK") -> None:
+                 ray_strategy: str = "PACK", max_in_flight: int = 2) -> None:
         check_not_rerunning_main()  # a rank re-running a script without its __main__ guard
         self._world_size = check_world_size(world_size)
         check_methods(worker_cls)
@@ -100,6 +98,10 @@ class DistributedRunner:
         kwargs = check_load_kwargs(load_kwargs)
         self.call_timeout = _check_timeout("call_timeout", call_timeout)
         self.start_timeout = _check_timeout("start_timeout", start_timeout)
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or \
+                max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be an int >= 1 (calls sent to the ranks and "
+                             f"not yet answered; 1: one at a time), got {max_in_flight!r}")
         if rank_output not in OUTPUT_MODES:
             raise ValueError(f"rank_output must be 'stderr' or 'log', got {rank_output!r}")
         if device not in ("auto", "cpu", "cuda"):
@@ -129,18 +131,10 @@ class DistributedRunner:
             keep_free=keep_free_segments,
             start_timeout=self.start_timeout, call_timeout=self.call_timeout,
             shutdown_grace=check_grace(shutdown_grace), rank_output=rank_output, ray=ray)
-        self._state = [NEW]  # a list, shared with the finalizer
-        self._failure: BaseException | None = None
-        self._lock = threading.RLock()
-        self._turn = threading.Condition(self._lock)  # an open stream ended
-        # The open stream or async call (weakly: dropping a stream leaves it); no other
-        # call starts meanwhile.
-        self._open: weakref.ref[Any] | None = None
-        self._tasks: asyncio.Lock | None = None  # async callers take turns here
-        self._tasks_loop: asyncio.AbstractEventLoop | None = None
-        self._abandoned: PendingCall | None = None  # a stream left early, still running
-        self._finalizer = weakref.finalize(self, _close, self._transport, self._state)
         self._timings = Recorder(world_size)
+        self._queue = CallQueue(self._transport, max_in_flight, self._timings)
+        self._lifecycle = threading.Lock()  # start() and shutdown() take turns
+        self._finalizer = weakref.finalize(self, _close, self._transport, self._queue)
 
     # -- properties -----------------------------------------------------------------------
     @property
@@ -148,10 +142,15 @@ class DistributedRunner:
         return self._world_size
 
     @property
+    def max_in_flight(self) -> int:
+        """At most this many calls are sent to the ranks and not yet answered."""
+        return self._queue.max_in_flight
+
+    @property
     def healthy(self) -> bool:
         """True between a successful start() and a crash, timeout, desync or shutdown.
         Only reads: a rank that died while idle is reported by the next call."""
-        return self._state[0] == READY and not self._transport.dead()
+        return self._queue.state == READY and not self._transport.dead()
 
     # -- timings (reactor_dist.timings) ------------------------------------------------------
     @property
@@ -181,18 +180,19 @@ class DistributedRunner:
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         """Start every rank and return once each finished load()."""
-        with self._lock:
-            if self._state[0] != NEW:
+        queue = self._queue
+        with self._lifecycle:
+            if queue.state != NEW:
                 raise RuntimeError("a DistributedRunner starts once; build a new one to restart")
-            self._state[0] = UNUSABLE  # until proven otherwise
+            queue.state = UNUSABLE  # until proven otherwise
             try:
                 self._transport.start(self.start_timeout)
             except BaseException as exc:
-                self._failure = exc
+                queue.failure = exc
                 self._transport.close(graceful=False)
-                self._state[0] = CLOSED
+                queue.state = CLOSED
                 raise
-            self._state[0] = READY
+            queue.open()
             self._warn_if_no_cuda()
 
     def _warn_if_no_cuda(self) -> None:
@@ -211,7 +211,19 @@ class DistributedRunner:
     def generate(self, input: Any, /, *,
                  timeout: float | None | EllipsisType = ...) -> Any:
         """Run ``generate(input)`` on every rank; rank 0's result, or the contract's error."""
-        return self._call(Method.GENERATE, input, timeout)
+        return self._queue.call(Method.GENERATE, input, self._timeout(timeout))
+
+    def submit(self, input: Any, /, *,
+               timeout: float | None | EllipsisType = ...) -> Future:
+        """Send ``generate(input)`` to every rank now and return at once: the future's
+        ``result()`` is what :meth:`generate` would return or raise for this call.
+
+        The ranks run calls in the order sent; while the app works on one result the
+        ranks already compute the next.  With ``max_in_flight`` calls in flight this
+        waits for one to be answered, at most ``timeout`` (then CallQueueFull: nothing
+        was sent, the runner stays healthy); ``timeout`` then bounds the call's wait
+        behind the call the ranks run, and each wait for its replies."""
+        return self._queue.submit(Method.GENERATE, input, self._timeout(timeout))
 
     def stream(self, input: Any, /, *,
                timeout: float | None | EllipsisType = ...) -> Stream:
@@ -219,29 +231,22 @@ class DistributedRunner:
 
         ``timeout`` bounds the wait for each next item and for the end of the step.
         Leaving early lets the step finish on every rank and drops the rest unread."""
-        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
-        with self._lock:
-            stream = Stream(self, self._send(Method.GENERATE, input, timeout))
-            self._open = weakref.ref(stream)
-            return stream
+        call = self._queue.send(Method.GENERATE, input, self._timeout(timeout))
+        return Stream(self._queue, call)
 
     def reset(self, *, timeout: float | None | EllipsisType = ...) -> None:
         """Run ``reset()`` on every rank (clear session state, keep weights)."""
-        self._call(Method.RESET, None, timeout)
+        self._queue.call(Method.RESET, None, self._timeout(timeout))
 
     def wait_idle(self, timeout: float | None | EllipsisType = ...) -> bool:
-        """Wait until the ranks finished every interrupted call (Ctrl-C during a call
-        leaves them running it): True once idle, False when ``timeout`` (default
-        ``call_timeout``, None: no limit) ran out first; the runner stays usable either way."""
-        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
-        with self._lock:
-            if self._state[0] != READY:
-                self._check_usable()  # raises
-            try:
-                return self._transport.wait_idle(timeout)
-            except WorkerCrashed as exc:
-                self._break(exc)
-                raise
+        """Wait until the ranks answered every call sent so far, also the calls nobody
+        waits for any more (Ctrl-C, a cancelled task, a stream left early, a submitted
+        call): True once idle, False when ``timeout`` (default ``call_timeout``, None: no
+        limit) ran out first; the runner stays usable either way."""
+        return self._queue.wait_idle(self._timeout(timeout))
+
+    def _timeout(self, timeout: float | None | EllipsisType) -> float | None:
+        return self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
 
     # -- asyncio ------------------------------------------------------------------------------
     async def astart(self) -> None:
@@ -250,47 +255,42 @@ class DistributedRunner:
 
     async def agenerate(self, input: Any, /, *,
                         timeout: float | None | EllipsisType = ...) -> Any:
-        """:meth:`generate` for a task: the loop never blocks, tasks take turns in order."""
-        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
-        return await aio.call(self, Method.GENERATE, input, timeout)
+        """:meth:`generate` for a task: the loop never blocks; calls of several tasks
+        are sent in the order they asked, up to ``max_in_flight`` at once."""
+        return await aio.call(self._queue, Method.GENERATE, input, self._timeout(timeout))
 
     async def areset(self, *, timeout: float | None | EllipsisType = ...) -> None:
         """:meth:`reset` for a task."""
-        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
-        await aio.call(self, Method.RESET, None, timeout)
+        await aio.call(self._queue, Method.RESET, None, self._timeout(timeout))
 
     def astream(self, input: Any, /, *,
                 timeout: float | None | EllipsisType = ...) -> aio.AsyncStream:
-        """:meth:`stream` for ``async for``; the call starts at the first item awaited."""
-        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
-        return aio.AsyncStream(self, input, timeout)
+        """:meth:`stream` for ``async for``; the call is sent at the first item awaited."""
+        return aio.AsyncStream(self._queue, input, self._timeout(timeout))
+
+    async def await_idle(self, timeout: float | None | EllipsisType = ...) -> bool:
+        """:meth:`wait_idle` for a task."""
+        return await aio.wait_idle(self._queue, self._timeout(timeout))
 
     async def ashutdown(self) -> None:
         """:meth:`shutdown`, in a worker thread (it may wait for the ranks' grace)."""
         await asyncio.to_thread(self.shutdown)
 
     async def __aenter__(self) -> DistributedRunner:
-        if self._state[0] == NEW:
+        if self._queue.state == NEW:
             await self.astart()
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.ashutdown()
 
-    def _task_lock(self) -> asyncio.Lock:
-        """The turn of async callers, one lock per event loop (a runner may outlive one)."""
-        loop = asyncio.get_running_loop()
-        if self._tasks is None or self._tasks_loop is not loop:
-            self._tasks, self._tasks_loop = asyncio.Lock(), loop
-        return self._tasks
-
     def shutdown(self) -> None:
         """End every rank and remove every file. Idempotent; also runs at exit."""
-        with self._lock:
+        with self._lifecycle:
             self._finalizer()
 
     def __enter__(self) -> DistributedRunner:
-        if self._state[0] == NEW:
+        if self._queue.state == NEW:
             self.start()
         return self
 
@@ -299,90 +299,4 @@ class DistributedRunner:
 
     def __repr__(self) -> str:
         return (f"<DistributedRunner {self._worker_name} world_size={self._world_size} "
-                f"state={self._state[0]}>")
-
-    # -- one call ---------------------------------------------------------------------------
-    def _call(self, method: str, value: Any, timeout: Any) -> Any:
-        timeout = self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
-        with self._lock:
-            pending = self._send(method, value, timeout)
-            try:
-                self._transport.collect(pending)
-            except (WorkerCrashed, WorkerTimeout) as exc:
-                self._break(exc)
-                raise  # keeps its __cause__: a rank's exception behind a timeout
-            return self._answer(pending)
-
-    def _answer(self, pending: PendingCall) -> Any:
-        """The value of a call every rank answered, or the contract's error (which may
-        leave the runner unusable); records the call's timings."""
-        answered = perf_counter()
-        try:
-            verdict = judge(pending.method, self._transport.outcomes(pending))
-        finally:
-            timings = self._timings
-            if timings.enabled:
-                timings.record(pending.started, pending.sent, answered, perf_counter(),
-                               self._transport.compute(pending))
-        if verdict.error is None:
-            return verdict.value
-        if verdict.breaks:
-            self._break(verdict.error)
-        raise verdict.error
-
-    def _send(self, method: str, value: Any, timeout: float | None) -> PendingCall:
-        """Under the lock: once no stream is open and an abandoned one ended, publish.
-        Another thread's open stream is waited for at most ``timeout`` (TimeoutError;
-        the runner stays healthy)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._open is not None:
-            holder = self._open()
-            if holder is None:  # a stream collected: it has left (and said so) or is leaving
-                self._open = None
-                break
-            if holder.thread == threading.get_ident():
-                raise RuntimeError(
-                    f"{holder.what} is still open in this thread: iterate it to the end or "
-                    f"close() it (or await it) before the next call")
-            what = holder.what
-            del holder
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise TimeoutError(
-                    f"{what} is still open in another thread after {timeout:g} s: this call "
-                    f"waited for it and gave up (nothing was sent; the runner stays healthy)")
-            self._turn.wait(slice_of(left))  # then loops: Condition.wait has a maximum
-        if self._state[0] != READY:
-            self._check_usable()  # raises
-        try:
-            if self._abandoned is not None:
-                self._finish_abandoned()
-            return self._transport.send(method, value, timeout)
-        except (WorkerCrashed, WorkerTimeout) as exc:
-            self._break(exc)
-            raise  # keeps its __cause__
-
-    def _finish_abandoned(self) -> None:
-        """Wait for the end of a stream left early; its outcome only matters if the
-        ranks fell out of step."""
-        pending, self._abandoned = self._abandoned, None
-        assert pending is not None
-        verdict = judge(pending.method, self._transport.finish(pending))
-        if verdict.breaks:
-            raise self._break(verdict.error)
-
-    def _check_usable(self) -> None:
-        state = self._state[0]
-        if state == NEW:
-            raise RuntimeError("start() has not run: call runner.start() (or use `with runner:`)")
-        if state != READY:
-            why = f": {type(self._failure).__name__}: {self._failure}" if self._failure else \
-                " (it was shut down)"
-            raise RuntimeError(
-                f"this DistributedRunner is unusable{why}. It never restarts ranks; build and "
-                f"start a new one") from self._failure
-
-    def _break(self, exc: BaseException) -> BaseException:
-        self._failure = exc
-        self._state[0] = UNUSABLE
-        return exc
+                f"state={self._queue.state}>")

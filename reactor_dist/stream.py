@@ -9,35 +9,45 @@ item as an ITEM message the moment it is yielded, by the same path as a result
 The error contract holds per stream: the ranks' outcomes are judged when the step
 ends (:func:`reactor_dist.outcome.judge`), after the items made before it.
 
-Leaving early (``break``, :meth:`Stream.close`, the iterator collected) never
-blocks: the step runs to its end on every rank anyway (collectives cannot be
-abandoned halfway); the next call first waits for that end, handing the
-remaining items' segments back unread.  A Ctrl-C inside ``next()`` ends the
-stream like an interrupted ``generate()``: its late messages are discarded.
+A stream is one call in the call queue (:mod:`reactor_dist.call_queue`): calls may
+be sent behind it while it is open, and its items keep arriving (into the stream)
+while another caller receives.  Leaving early (``break``, :meth:`Stream.close`, the
+iterator collected) never blocks: the step runs to its end on every rank anyway
+(collectives cannot be abandoned halfway) and counts as in flight until then; its
+remaining items' segments go back unread.  A Ctrl-C inside ``next()`` ends the
+stream like an interrupted ``generate()``.
 """
 
 from __future__ import annotations
 
-import threading
-from typing import TYPE_CHECKING, Any
+import contextlib
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .calls import ENDED, PendingCall
-from .errors import WorkerCrashed, WorkerTimeout
+from .calls import Undecodable
 
 if TYPE_CHECKING:
-    from .aio import AsyncStream
-    from .runner import DistributedRunner
+    from .call_queue import CallQueue
+    from .calls import Call
 
 
-def handed_out(stream: Stream | AsyncStream, pending: PendingCall, item: Any,
-               stop: type[Exception]) -> Any:
-    """What next() gives for ``item``: the item; at the end (``ENDED``) the contract's
-    error, a plain worker's one value, or ``stop`` after a generator's last item."""
-    if item is not ENDED:
+class _Leaves(Protocol):
+    def close(self) -> None: ...
+
+    def _ended(self) -> Call | None: ...
+
+
+def hand_out(stream: _Leaves, more: bool, item: Any, stop: type[Exception]) -> Any:
+    """What next() gives: an item; at the end the contract's error, a plain worker's
+    one value, or ``stop`` after a generator's last item."""
+    if more:
+        if isinstance(item, Undecodable):  # it did not unpickle here: the step goes on
+            stream.close()
+            raise item.error
         return item
-    stream._end()
-    value = stream._runner._answer(pending)
-    if pending.generator:
+    ended = stream._ended()
+    assert ended is not None
+    value = ended.result()  # raises the contract's error
+    if ended.generator:
         raise stop
     return value
 
@@ -45,61 +55,40 @@ def handed_out(stream: Stream | AsyncStream, pending: PendingCall, item: Any,
 class Stream:
     """An iterator over rank 0's items of one call (from :meth:`DistributedRunner.stream`)."""
 
-    def __init__(self, runner: DistributedRunner, pending: PendingCall) -> None:
-        self._runner = runner
-        self._pending: PendingCall | None = pending
-        self.thread = threading.get_ident()  # where it was opened
-        self.what = f"the stream of {pending.what}"
+    def __init__(self, queue: CallQueue, call: Call) -> None:
+        self._queue = queue
+        self._call: Call | None = call
+        self.what = f"the stream of {call.what}"
 
     def __iter__(self) -> Stream:
         return self
 
     def __next__(self) -> Any:
-        runner = self._runner
-        with runner._lock:
-            pending = self._pending
-            if pending is None:
-                raise StopIteration
-            transport = runner._transport
-            try:
-                item = transport.next_item(pending)
-            except (WorkerCrashed, WorkerTimeout) as exc:
-                self._end()
-                runner._break(exc)
-                raise  # keeps its __cause__
-            except KeyboardInterrupt:
-                self._end()  # like generate(): the late messages are discarded
-                raise
-            except Exception:
-                self.close()  # an item that did not unpickle here: the step goes on
-                raise
-            return handed_out(self, pending, item, StopIteration)
+        call = self._call
+        if call is None:
+            raise StopIteration
+        try:
+            more, item = self._queue.next_item(call)
+        except BaseException:  # interrupted: the queue has left the call
+            self._call = None
+            raise
+        return hand_out(self, more, item, StopIteration)
 
     def close(self) -> None:
         """Leave the stream: the step still ends on every rank, its other items unread."""
-        runner = self._runner
-        with runner._lock:
-            pending = self._pending
-            if pending is not None:
-                if pending.seq == runner._transport.seq:  # no later call discarded its end
-                    runner._abandoned = pending  # finished before the next call starts
-                self._end()
+        call, self._call = self._call, None
+        if call is not None:
+            self._queue.leave_soon(call)
 
-    def _end(self) -> None:
-        runner = self._runner
-        self._pending = None
-        ref = runner._open
-        if ref is not None and ref() in (self, None):
-            runner._open = None
-            runner._turn.notify_all()
+    def _ended(self) -> Call | None:
+        call, self._call = self._call, None
+        return call
 
     def __del__(self) -> None:
-        if getattr(self, "_pending", None) is not None:
-            try:
+        if getattr(self, "_call", None) is not None:
+            with contextlib.suppress(Exception):  # never raise from a finalizer
                 self.close()
-            except Exception:
-                pass  # never raise from a finalizer
 
     def __repr__(self) -> str:
-        state = "open" if self._pending is not None else "ended"
+        state = "open" if self._call is not None else "ended"
         return f"<Stream of {self.what}: {state}>"

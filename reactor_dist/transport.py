@@ -3,8 +3,8 @@
 :meth:`Transport.start` spawns every rank (:mod:`reactor_dist.processes`), binds the
 bus (:mod:`reactor_dist.bus`), handshakes and waits for every ``load()``;
 :meth:`Transport.close` ends them and removes every file.  What happens once per
-call is :class:`reactor_dist.calls.CallPath`, which Transport extends; the data
-flow of one call is drawn in docs/design.md and in :mod:`reactor_dist.calls`.
+call is :class:`reactor_dist.calls.CallPath`, which uses this bus, these ranks and
+ledgers; the order of calls is :mod:`reactor_dist.call_queue`'s.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import pickle
 import shutil
 import sys
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
 
 from . import descriptors, shm, stacks, timeouts, transfer, wire
 from .bus import Bus, CommandBlocked, private_dir, reclaim_dead_ipc_dirs
-from .calls import CallPath, Replies
 from .errors import (
     MainGuardMissing,
     WorkerCrashed,
@@ -47,13 +47,15 @@ from .protocol import (
 )
 from .releaser import Releaser
 
+Replies = dict[int, tuple[dict, list]]
+
 # Start-up: PING until every rank answered (PUB/SUB's slow joiner), then INIT until every
 # rank has said it got it: one per interval, on a fixed pace whatever arrives meanwhile.
 PING_EVERY = 0.02
 log = logging.getLogger("reactor_dist")
 
 
-class Transport(CallPath):
+class Transport:
     """Processes, bus and segments of one runner; raises the transport's errors
     (WorkerCrashed, WorkerTimeout) and judges nothing else."""
 
@@ -70,14 +72,9 @@ class Transport(CallPath):
         self.shm_prefix = shm.new_runner_prefix()
         self.shutdown_grace = shutdown_grace
         self.owner_pid = os.getpid()  # a forked child must never tear down our ranks
-        self.seq = 0
-        # Ranks that have not answered an interrupted call (Ctrl-C while waiting): rank ->
-        # the last call it answered.  Its next answers are late ones; see wait_idle().
-        self.owing: dict[int, int] = {}
-        self.interrupted = 0  # the latest call whose wait was interrupted
+        self.inline_limit = transfer.INLINE_LIMIT  # IN_BAND when a rank is on another node
         self.devices: list[str] = []  # each rank's device, once started
-        self.inputs = Ledger(shm_dir, self.shm_prefix, "in", keep_free=keep_free,
-                             reclaim=self.reclaim)
+        self.inputs = Ledger(shm_dir, self.shm_prefix, "in", keep_free=keep_free)
         self.results = Mapped(lambda name: shm.Segment.open(shm_dir, name), self._ours)
         self.bus: Bus | None = None
         self.releaser: Releaser | None = None
@@ -109,9 +106,6 @@ class Transport(CallPath):
         reclaim_dead_ipc_dirs()
         self.ipc_dir, self._dir_lock = private_dir()
         self.bus = Bus(self.secret, self.ipc_dir, self.world_size)
-        self.releaser = Releaser(self.results.has_released, self.pass_on_releases,
-                                 lambda: self.last_sent, self.results.unmap_unused)
-        self.results.notify = self.releaser.notify
         self.ranks = Ranks(self.world_size, self.bus.tell_death, self.rank_output)
         self.display = Display(self.world_size)
         try:
@@ -151,6 +145,12 @@ class Transport(CallPath):
                 if isinstance(exc, MainGuardMissing):
                     raise exc from None  # its own message says all; the rank's stack is noise
                 raise exc
+
+    def start_releaser(self, pass_on: Callable[[], None], last_call: Callable[[], float]) -> None:
+        """Rank 0's segments go back between calls (releaser.py), once calls can go."""
+        self.releaser = Releaser(self.results.has_released, pass_on, last_call,
+                                 self.results.unmap_unused)
+        self.results.notify = self.releaser.notify
 
     def log_ready(self, ready: Replies) -> None:
         """One record for the group, one per rank's load() (each rank's own seconds)."""
@@ -276,32 +276,34 @@ class Transport(CallPath):
         return error
 
     def timed_out(self, silent: list[int], timeout: float | None, what: str,
-                  replies: Replies) -> WorkerTimeout:
+                  replies: Replies,
+                  running: tuple[int, list[int], bool] | None = None) -> WorkerTimeout:
         """The WorkerTimeout of the silent ranks, with their stacks, and with the
-        exceptions of the ranks that raised meanwhile (errors.timeout_error)."""
+        exceptions of the ranks that raised meanwhile (errors.timeout_error); ``running``:
+        the call the ranks still ran instead (its number, its silent ranks, whether it
+        was interrupted)."""
         assert self.ranks is not None
         raised = {}
         for rank, (header, body) in sorted(replies.items()):
             if header.get(Field.STATUS) == Status.RAISED:
                 raised[rank] = (ErrorRecord.parse(header.get(Field.ERROR)),
                                 (body[0] if body else b"") or None)
-        owing = sorted(r for r in silent if r in self.owing)
-        interrupted = (self.owing[owing[0]] + 1, owing) if owing else None
         return timeout_error(f"no answer from rank {', '.join(map(str, silent))} within "
-                             f"{timeout:g} s during {what}", raised, interrupted,
+                             f"{timeout:g} s during {what}", raised, running,
                              self.ranks.stacks(silent))
 
-    def not_taken(self, timeout: float | None, what: str) -> WorkerTimeout:
+    def not_taken(self, timeout: float | None, what: str,
+                  busy: Sequence[int] = ()) -> WorkerTimeout:
         """The WorkerTimeout of a command that no rank got within ``timeout`` because one
         rank's pipe stayed full (Bus.publish's CommandBlocked): the ranks named are the
-        stopped ones, else those still running an interrupted call, else all (ZeroMQ does
-        not say whose pipe it is)."""
+        stopped ones, else those still running an earlier call (``busy``), else all (ZeroMQ
+        does not say whose pipe it is)."""
         assert self.ranks is not None and self.bus is not None
         stopped = [r for r, p in enumerate(self.ranks.procs)
                    if not p.hosted and stacks.stopped_note(p) is not None]
-        suspects = stopped or sorted(self.owing) or list(range(self.world_size))
-        which = "stopped" if stopped else "still running an interrupted call" \
-            if self.owing else "one of them"
+        suspects = stopped or list(busy) or list(range(self.world_size))
+        which = "stopped" if stopped else "still running an earlier call" \
+            if busy else "one of them"
         headline = (f"{what} was sent to no rank within {timeout:g} s: a rank has not "
                     f"taken up its last {self.bus.bound} commands (rank "
                     f"{', '.join(map(str, suspects))}: {which})")
@@ -322,7 +324,7 @@ class Transport(CallPath):
                 # cannot be sent then, the ranks are ended without it (SIGTERM, SIGKILL).
                 began = time.monotonic()
                 with contextlib.suppress(zmq.ZMQError, CommandBlocked):
-                    self.bus.publish({Field.KIND: Kind.SHUTDOWN, Field.SEQ: self.seq + 1},
+                    self.bus.publish({Field.KIND: Kind.SHUTDOWN, Field.SEQ: 0},
                                      deadline=began + self.shutdown_grace)
                     grace = max(self.shutdown_grace - (time.monotonic() - began), 0.0)
             self.ranks.end(grace)
