@@ -156,10 +156,11 @@ def test_pipelined_app_sends_the_next_chunk_ahead_and_shows_the_same_frames():
     assert shown == one_at_a_time
     assert ahead == [True, True, True, False, True, True]
     assert never_ahead == [False] * 6
-    # Each step's first group went to process_output with the next chunk already sent
-    # (2 groups per chunk; the exhausted step's one error outcome had none ahead).
-    assert at_output == [True, True, True, True, False, True, True, True, True]
-    assert never_at_output == [False] * 9
+    # Each group went to process_output with the next chunk already sent (2 groups per
+    # chunk, 5 chunks with the one after the reset); the exhausted step's one error
+    # outcome had none ahead.
+    assert at_output == [True] * 4 + [False] + [True] * 6
+    assert never_at_output == [False] * 11
     assert index == 0 and [o.main_video.shape for o in last] == [GROUP] * 2
 
 
