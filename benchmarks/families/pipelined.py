@@ -17,20 +17,18 @@ loops, on one runner with ``max_in_flight=1`` and one with ``max_in_flight=2``:
 A step's time is from the end of the app's work on one step to the end of its work on
 the next; the first step of a block (the pipeline filling) is not counted. The floor
 is, per step, the longer of the rank's measured sleep and the app's. The loops run in
-alternating blocks, the order flipping every round. ``python -m
-benchmarks.families.pipelined [--quick]`` runs this row alone (README.md untouched).
+alternating blocks, the order flipping every round. ``python -m benchmarks.pipelined
+[--quick]`` (``make bench-pipelined``) runs this row alone.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.config import FULL, QUICK, Settings
+from benchmarks.config import Settings
 from benchmarks.report.results import FLOOR, Results, Row
 from benchmarks.report.stats import summarize
 
@@ -145,21 +143,3 @@ def rows(results: Results, settings: Settings) -> list[Row]:
                     row.target = f"(info: {rate:.1f} steps/s, {share:.2f} of bound)"
             out.append(row)
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    from benchmarks.report import tables
-
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.families.pipelined",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer steps, as bench-quick")
-    args = ap.parse_args(argv)
-    s = QUICK if args.quick else FULL
-    r = Results()
-    measure(s, r)
-    print(tables.text_table(rows(r, s)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
