@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,7 +108,7 @@ class VideoApp:
         self.output = Track()
         self.last_outcome: StepOutcome | None = None
         self.pipeline = pipeline
-        self.ahead: Iterator[VideoResult] | None = None  # the next step, already sent
+        self.ahead: Stream | Generator[VideoResult, None, None] | None = None  # next step, sent
 
     def load(self, config_path: str | None = None) -> None:
         """The one change from an in-process model: start a runner instead of a model."""
@@ -156,7 +156,7 @@ class VideoApp:
         """Leave the chunk sent ahead: the ranks finish it, its frames are dropped unread."""
         ahead, self.ahead = self.ahead, None
         if ahead is not None:
-            ahead.close()  # type: ignore[attr-defined]
+            ahead.close()
 
     def send_ahead(self) -> None:
         """Pipelined: send the next step now, so the ranks render it during this one's
@@ -217,7 +217,7 @@ class VideoApp:
         self.runner.shutdown()
 
 
-def _raising(exc: BaseException) -> Iterator[VideoResult]:
+def _raising(exc: BaseException) -> Generator[VideoResult, None, None]:
     """An iterator that raises ``exc`` at its first item."""
     raise exc
     yield  # a generator: the raise waits for next()
