@@ -141,7 +141,8 @@ class AsyncStream:
         if sent is not None:
             self._queue.leave_soon(sent)
 
-    def _ended(self) -> Call | None:
+    def end(self) -> Call | None:
+        """Every item was taken: the stream is over; its call, for the verdict."""
         sent, self._call = self._call, None
         self._done = True
         return sent

@@ -37,7 +37,7 @@ from time import perf_counter
 from typing import Any
 
 from .calls import Call, CallPath, compute_seconds
-from .errors import CallQueueFull, WorkerCrashed, WorkerTimeout
+from .errors import CallQueueFull, WorkerCrashed, WorkerTimeout, failed_behind
 from .outcome import judge
 from .protocol import Field, Kind
 from .receiving import Receiver
@@ -94,9 +94,13 @@ class CallQueue:
             return
         self.state, self.failure = UNUSABLE, exc
         at = at or (self.in_flight[0] if self.in_flight else None)
+        self._fail_in_flight(lambda call: exc if call is at else failed_behind(
+            exc, call.what, at.what if at is not None else None))
+
+    def _fail_in_flight(self, error_of: Callable[[Call], BaseException]) -> None:
         for call in self.in_flight:
             if not call.done:
-                self._settle(call, None, exc if call is at else behind(exc, call, at))
+                self._settle(call, None, error_of(call))
         self.in_flight.clear()
         self.by_seq.clear()
         self.turns.clear()
@@ -108,15 +112,9 @@ class CallQueue:
             if self.state == CLOSED:
                 return
             self.state = CLOSED
-            for call in self.in_flight:
-                if not call.done:
-                    self._settle(call, None, RuntimeError(
-                        f"{call.what} was still in flight when the runner was shut down: "
-                        f"it has no result"))
-            self.in_flight.clear()
-            self.by_seq.clear()
-            self.turns.clear()
-            self.receiver.changed_all()
+            self._fail_in_flight(lambda call: RuntimeError(
+                f"{call.what} was still in flight when the runner was shut down: it has no "
+                f"result"))
             self.receiver.wait_for_receiver()
         self.receiver.stop_collector()
         self.settle_futures()
@@ -127,10 +125,11 @@ class CallQueue:
         """Take a turn (first come, first served), wait for room in flight at most
         ``timeout`` (CallQueueFull), publish.  A ``future`` call has no waiter: the
         collector receives for it."""
-        with self.lock:
-            call = self.send_locked(method, value, timeout, future)
-        self.settle_futures()
-        return call
+        try:
+            with self.lock:
+                return self.send_locked(method, value, timeout, future)
+        finally:
+            self.settle_futures()  # a failure to send may have failed the calls in flight
 
     def send_locked(self, method: str, value: Any, timeout: float | None,
                     future: Future | None = None) -> Call:
@@ -200,14 +199,16 @@ class CallQueue:
     # -- waiting (threads; asyncio: reactor_dist.aio) ------------------------------------------
     def call(self, method: str, value: Any, timeout: float | None) -> Any:
         """Send and wait for the answer: rank 0's value, or the contract's error."""
-        with self.lock:
-            call = self.send_locked(method, value, timeout)
-            try:
-                self.receiver.pump(lambda: call.done)
-            except BaseException:  # interrupted (Ctrl-C): the ranks still run it
-                self.leave(call)
-                raise
-        self.settle_futures()
+        try:
+            with self.lock:
+                call = self.send_locked(method, value, timeout)
+                try:
+                    self.receiver.pump(lambda: call.done)
+                except BaseException:  # interrupted (Ctrl-C): the ranks still run it
+                    self.leave(call)
+                    raise
+        finally:
+            self.settle_futures()
         return call.result()
 
     def submit(self, method: str, value: Any, timeout: float | None) -> Future:
@@ -365,8 +366,11 @@ class CallQueue:
     # -- deadlines --------------------------------------------------------------------------
     def next_deadline(self) -> float | None:
         """The nearest moment a call in flight runs out of time (None: none can)."""
+        in_flight = self.in_flight
+        if len(in_flight) == 1:
+            return in_flight[0].deadline
         due = None
-        for i, call in enumerate(self.in_flight):
+        for i, call in enumerate(in_flight):
             when = call.deadline if i == 0 else (None if call.abandoned else call.queued_until)
             if when is not None and (due is None or when < due):
                 due = when
@@ -388,18 +392,4 @@ class CallQueue:
                 self.broken(self.transport.timed_out(
                     list(range(self.world_size)), call.timeout, call.what, {}, running), call)
                 return
-
-
-def behind(exc: BaseException, call: Call, at: Call | None) -> BaseException:
-    """The error of a call in flight behind the one that broke the runner: the same type,
-    saying which call broke it (never replayed)."""
-    first = str(exc).split("\n", 1)[0]
-    where = f"the runner broke at {at.what}" if at is not None else "the runner broke"
-    text = f"{call.what} did not run to its end: {where}: {first}"
-    try:
-        error = type(exc)(text)
-    except Exception:
-        error = RuntimeError(text)
-    error.__cause__ = exc
-    return error
 

@@ -144,6 +144,20 @@ def rebuild_exception(info: ErrorRecord, data: bytes | None, rank: int) -> BaseE
     return exc
 
 
+def failed_behind(exc: BaseException, what: str, at: str | None) -> BaseException:
+    """The error of a call in flight behind the one that broke the runner (``at``): the
+    same type, saying which call broke it; the call is never replayed."""
+    first = str(exc).split("\n", 1)[0]
+    where = f"the runner broke at {at}" if at is not None else "the runner broke"
+    text = f"{what} did not run to its end: {where}: {first}"
+    try:
+        error = type(exc)(text)
+    except Exception:  # a type that takes other arguments
+        error = RuntimeError(text)
+    error.__cause__ = exc
+    return error
+
+
 def timeout_error(headline: str, raised: dict[int, tuple[ErrorRecord, bytes | None]],
                   running: tuple[int, list[int], bool] | None, stacks: str) -> WorkerTimeout:
     """A WorkerTimeout whose text and attributes keep what the other ranks did: each

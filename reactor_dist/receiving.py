@@ -79,6 +79,7 @@ class Receiver:
         self.changed = threading.Condition(self.lock)  # something arrived or a turn moved
         self.wanted = threading.Condition(self.lock)  # a call has nobody waiting for it
         self.receiving = False  # a caller owns the reply socket now
+        self.waiting = 0  # threads in changed.wait() (none: no notify to pay for)
         self.sending = False  # a caller is between encode and publish
         self.wakers: list[Waker] = []
         self.readers: dict[asyncio.AbstractEventLoop, int] = {}  # tasks waiting, per loop
@@ -93,7 +94,7 @@ class Receiver:
             if give_up is not None and now >= give_up:
                 return False
             if self.receiving:
-                self.changed.wait(WAKE if give_up is None else min(give_up - now, WAKE))
+                self.wait(WAKE if give_up is None else min(give_up - now, WAKE))
             else:
                 self.serve(now, give_up)
         return True
@@ -102,7 +103,8 @@ class Receiver:
         """As the receiver: one message (waiting until the next deadline or ``give_up``);
         a passed deadline with nothing left to read breaks the runner."""
         queue = self.queue
-        queue.take_left()
+        if queue.left:
+            queue.take_left()
         due = queue.next_deadline()
         if due is not None and now >= due:
             if not self.drain():
@@ -133,7 +135,8 @@ class Receiver:
         """Without waiting: dispatch what has arrived (True if anything did)."""
         path = self.queue.path
         assert path is not None and not self.receiving
-        self.queue.take_left()
+        if self.queue.left:
+            self.queue.take_left()
         path.memory.flush()
         got = False
         bus = path.bus
@@ -151,7 +154,8 @@ class Receiver:
 
     def changed_all(self) -> None:
         """Under the lock: every waiter looks again (threads, tasks, the collector)."""
-        self.changed.notify_all()
+        if self.waiting:
+            self.changed.notify_all()
         for waker in self.wakers:
             waker.wake()
         if self.collector is not None and self.unwatched():
@@ -161,7 +165,15 @@ class Receiver:
         """Under the lock: until no caller receives or sends (shutdown)."""
         give_up = time.monotonic() + 4 * WAKE
         while (self.receiving or self.sending) and time.monotonic() < give_up:
-            self.changed.wait(WAKE)
+            self.wait(WAKE)
+
+    def wait(self, seconds: float) -> None:
+        """Under the lock: until changed_all() or ``seconds``."""
+        self.waiting += 1
+        try:
+            self.changed.wait(seconds)
+        finally:
+            self.waiting -= 1
 
     # -- the collector ----------------------------------------------------------------------
     def unwatched(self) -> bool:

@@ -30,13 +30,15 @@ if TYPE_CHECKING:
     from .calls import Call
 
 
-class _Leaves(Protocol):
+class _Ends(Protocol):
+    """Stream and AsyncStream, as hand_out sees them."""
+
     def close(self) -> None: ...
 
-    def _ended(self) -> Call | None: ...
+    def end(self) -> Call | None: ...
 
 
-def hand_out(stream: _Leaves, more: bool, item: Any, stop: type[Exception]) -> Any:
+def hand_out(stream: _Ends, more: bool, item: Any, stop: type[Exception]) -> Any:
     """What next() gives: an item; at the end the contract's error, a plain worker's
     one value, or ``stop`` after a generator's last item."""
     if more:
@@ -44,7 +46,7 @@ def hand_out(stream: _Leaves, more: bool, item: Any, stop: type[Exception]) -> A
             stream.close()
             raise item.error
         return item
-    ended = stream._ended()
+    ended = stream.end()
     assert ended is not None
     value = ended.result()  # raises the contract's error
     if ended.generator:
@@ -80,7 +82,8 @@ class Stream:
         if call is not None:
             self._queue.leave_soon(call)
 
-    def _ended(self) -> Call | None:
+    def end(self) -> Call | None:
+        """Every item was taken: the stream is over; its call, for the verdict."""
         call, self._call = self._call, None
         return call
 

@@ -160,7 +160,8 @@ def test_a_call_that_cannot_be_handed_over_names_the_stopped_rank(monkeypatch):
     """A rank stopped for longer than the call's timeout: the call is sent to nobody and
     fails with a WorkerTimeout that names the stopped rank (never a lost command)."""
     monkeypatch.setenv(SEND_BOUND_ENV, "1")
-    runner = DistributedRunner(CountLoads, world_size=2, device="cpu",
+    # Room for the two calls that fill the pipe (they stay in flight) and a third.
+    runner = DistributedRunner(CountLoads, world_size=2, device="cpu", max_in_flight=3,
                                init_process_group=False, start_timeout=60, call_timeout=60)
     with runner:
         rank1 = runner._transport.ranks.procs[1].pid
