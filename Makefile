@@ -13,7 +13,7 @@ RAY_SPEC ?= ray==2.60.0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER = 0
 export RAY_USAGE_STATS_ENABLED = 0
 
-.PHONY: venv test test-slow stress demo bench bench-quick bench-per-call gpu-check lint clean
+.PHONY: venv test test-slow stress demo bench bench-quick bench-per-call bench-pipelined gpu-check lint clean
 
 venv: $(VENV)/.installed
 
@@ -52,6 +52,10 @@ bench-quick: venv
 # The per-call row alone: runner.generate(1) in a plain loop against bare pyzmq echo peers.
 bench-per-call: venv
 	$(PY) -m benchmarks.per_call
+
+# The pipelined-steps rows alone: steps/s with the next step submitted ahead (C, W in ms).
+bench-pipelined: venv
+	$(PY) -m benchmarks.pipelined
 
 # First contact with this machine's GPUs (all of them, up to 8): the GPU-marked tests at
 # world_size N with NCCL, the README Quickstart, the demo on CUDA, frame timings; one table,

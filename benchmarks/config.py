@@ -64,6 +64,11 @@ class Settings:
     aio_calls: int = 2000
     aio_warmup: int = 200
     aio_rounds: int = 10
+    # pipelined steps: (C, W) in ms, a rank's compute and the app's own work per step
+    pipeline_steps_ms: tuple[tuple[int, int], ...] = ((40, 10), (20, 20))
+    pipeline_steps: int = 120  # timed steps per loop and (C, W)
+    pipeline_warmup: int = 5
+    pipeline_rounds: int = 4
 
 
 FULL = Settings(quick=False)
@@ -93,4 +98,7 @@ QUICK = Settings(
     aio_calls=300,
     aio_warmup=50,
     aio_rounds=4,
+    pipeline_steps=30,
+    pipeline_warmup=2,
+    pipeline_rounds=2,
 )

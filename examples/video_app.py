@@ -10,11 +10,17 @@ The step is streamed: ``generate`` returns ``runner.stream(input)``, the model y
 its chunk in groups of frames, and each group goes through ``process_output`` onto the
 track as soon as rank 0 has it, so the client's first frames do not wait for the
 chunk's end.
+With ``pipeline=True`` (``--pipeline``) the app sends the next chunk as soon as the
+current one's first group arrives, before handing that group to ``process_output``: the
+ranks render chunk n+1 while the app is still busy with chunk n (two calls in flight,
+the runner's default ``max_in_flight=2``). The input of chunk n+1 is read then, so a
+change of prompt shows one chunk later; a pause skips steps and keeps the chunk already
+sent for the step after it; ``reset()`` drops it (the ranks finish it, its frames unread).
 Everything else -- what goes to the runner, the ``RolloutExhausted`` -> ``reset()``
 recovery, pausing, "any other error: shut down and re-raise", and the session-end
 choice between reset and shutdown -- is the document's code.
 
-Run it: ``python examples/video_app.py --world-size 2 --steps 6``.
+Run it: ``python examples/video_app.py --world-size 2 --steps 6 [--pipeline]``.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,6 +99,7 @@ class VideoApp:
     def __init__(
         self, *, world_size: int = 2, device: str = "auto",
         load_kwargs: dict[str, Any] | None = None, call_timeout: float = 30.0,
+        pipeline: bool = False,
     ) -> None:
         self.world_size, self.device = world_size, device
         self.load_kwargs = load_kwargs or {}
@@ -100,6 +107,8 @@ class VideoApp:
         self.state = VideoState()
         self.output = Track()
         self.last_outcome: StepOutcome | None = None
+        self.pipeline = pipeline
+        self.ahead: Stream | Generator[VideoResult, None, None] | None = None  # next step, sent
 
     def load(self, config_path: str | None = None) -> None:
         """The one change from an in-process model: start a runner instead of a model."""
@@ -123,6 +132,7 @@ class VideoApp:
             self.reset()  # the model's recoverable error: new rollout, weights kept
             return None
         if outcome.error is not None:
+            self.drop_ahead()
             self.runner.shutdown()  # crash, timeout, desync or a model bug: end the session
             raise outcome.error
         assert outcome.result is not None
@@ -131,6 +141,7 @@ class VideoApp:
 
     def reset(self) -> None:
         """The "reset" command: start a new rollout."""
+        self.drop_ahead()  # rendered in the old rollout
         self.runner.reset()
         self.output.flush()
 
@@ -141,16 +152,38 @@ class VideoApp:
         else:
             self.runner.shutdown()
 
+    def drop_ahead(self) -> None:
+        """Leave the chunk sent ahead: the ranks finish it, its frames are dropped unread."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            ahead.close()
+
+    def send_ahead(self) -> None:
+        """Pipelined: send the next step now, so the ranks render it during this one's
+        ``process_output``. Its errors come out of that next step, as they would have."""
+        try:
+            inp = self.process_input()
+        except ApplicationError:
+            return  # paused: the next step sends its own, if any
+        try:
+            self.ahead = self.generate(inp)
+        except Exception as exc:  # refused at once: handed over by the next step
+            self.ahead = _raising(exc)
+
     # -- the platform's part ---------------------------------------------------------
     def stream_step(self) -> Iterator[VideoOutput]:
         """One platform step: input, generate, then ``process_output`` for each item as it
-        arrives, yielding its output. Yields nothing when skipped or recovered."""
+        arrives, yielding its output. Yields nothing when skipped or recovered.
+
+        Pipelined, the step's call may already be in flight (sent ahead by the step
+        before); the next one is sent once this one's first item is here."""
         try:
             inp = self.process_input()
         except ApplicationError:
             self.last_outcome = None
-            return
-        items = None
+            return  # a chunk sent ahead stays ahead
+        items, self.ahead = self.ahead, None
+        sent_ahead = False
         try:
             while True:
                 try:
@@ -161,6 +194,9 @@ class VideoApp:
                     return
                 except Exception as exc:  # the platform hands every step error over
                     outcome = StepOutcome(error=exc)
+                if self.pipeline and not sent_ahead and outcome.error is None:
+                    sent_ahead = True
+                    self.send_ahead()  # before this chunk goes to process_output
                 self.last_outcome = outcome
                 output = self.process_output(outcome)
                 if output is None:
@@ -177,7 +213,14 @@ class VideoApp:
 
     def close(self) -> None:
         """Process exit: stop the workers (the runner also does this at interpreter exit)."""
+        self.drop_ahead()
         self.runner.shutdown()
+
+
+def _raising(exc: BaseException) -> Generator[VideoResult, None, None]:
+    """An iterator that raises ``exc`` at its first item."""
+    raise exc
+    yield  # a generator: the raise waits for next()
 
 
 def main() -> None:
@@ -185,10 +228,13 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=False,
+                        help="send the next chunk before handing this one to process_output")
     args = parser.parse_args()
     app = VideoApp(world_size=args.world_size, device=args.device,
-                   load_kwargs={"chunks_per_rollout": 3})
+                   load_kwargs={"chunks_per_rollout": 3}, pipeline=args.pipeline)
     app.load()
+    shown, busy = 0, 0.0  # frames and seconds of the steps after the first
     try:
         for i in range(args.steps):
             t = time.perf_counter()
@@ -198,13 +244,19 @@ def main() -> None:
                     first = time.perf_counter() - t
                 frames += out.main_video.shape[0]
                 groups += 1
-            ms = (time.perf_counter() - t) * 1e3
+            dt = time.perf_counter() - t
+            if i:
+                shown, busy = shown + frames, busy + dt
             print(f"step {i}: {frames} frames in {groups} groups, first after"
-                  f" {first * 1e3:.0f} ms, all in {ms:.0f} ms" if first is not None
-                  else f"step {i}: rollout exhausted -> reset in {ms:.0f} ms")
+                  f" {first * 1e3:.0f} ms, all in {dt * 1e3:.0f} ms,"
+                  f" {frames / dt:.0f} frames/s" if first is not None
+                  else f"step {i}: rollout exhausted -> reset in {dt * 1e3:.0f} ms")
         app.on_session_ended()
     finally:
         app.close()
+    how = "pipelined (the next chunk sent ahead)" if args.pipeline else "one step at a time"
+    if busy:
+        print(f"{shown / busy:.0f} frames/s over steps 1-{args.steps - 1}, {how}")
 
 
 if __name__ == "__main__":

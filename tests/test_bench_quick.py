@@ -37,6 +37,13 @@ def test_quick_bench_runs_and_writes_results(tmp_path: Path) -> None:
         [line] = [ln for ln in text.splitlines() if ln.startswith(f"| {case} |")]
         if "first item" in case or "runner.a" in case:
             assert line.rstrip(" |").endswith(("| yes", "| NO")), line
+    # The pipelined-steps rows: with two in flight the goal is judged, the others inform.
+    for cw in ("C=40 ms, W=10 ms", "C=20 ms, W=20 ms"):
+        for loop in ("generate, then work", "submit ahead, max_in_flight=1",
+                     "submit ahead, max_in_flight=2"):
+            [line] = [ln for ln in text.splitlines() if ln.startswith(f"| {cw}: {loop} |")]
+            judged = line.rstrip(" |").endswith(("| yes", "| NO"))
+            assert judged == loop.endswith("=2"), line
     assert "Problems in this run" not in text
     assert "generate(1), world_size 2" in proc.stdout  # the table reached stdout
     assert (REPO / "README.md").read_bytes() == readme_before  # only a full run writes it
@@ -67,3 +74,19 @@ def test_the_cpu_per_call_diagnostic_runs() -> None:
     assert lines[0].startswith("generate(1), world_size 2, 300 calls x 1 trials")
     assert [line.split()[0] for line in lines[2:]] == ["reactor_dist", "floor"]
     assert all(len(line.split()) == 4 for line in lines[2:])
+
+
+@pytest.mark.timeout(120)
+def test_the_pipelined_steps_rows_run_alone() -> None:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.pipelined", "--quick"],
+                          cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert lines[2].startswith("[Pipelined steps (a rank computes C ms per step")
+    cases = [line.split(":")[1].split("  ")[0].strip() for line in lines[3:]]
+    assert cases == ["generate, then work", "submit ahead, max_in_flight=1",
+                     "submit ahead, max_in_flight=2"] * 2
+    assert [line.split(":")[0] for line in lines[3:]] == \
+        ["C=40 ms, W=10 ms"] * 3 + ["C=20 ms, W=20 ms"] * 3
+    assert [line.rstrip().endswith((" yes", " NO")) for line in lines[3:]] == \
+        [False, False, True] * 2

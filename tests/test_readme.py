@@ -48,6 +48,12 @@ def test_recovering_from_a_fault_example_runs_as_printed(tmp_path):
         "('a', 1)", "the session lost its state; tell the user, carry on", "('b', 1) 1"]
 
 
+def test_pipelining_example_runs_as_printed(tmp_path):
+    (block,) = readme_blocks("Pipelining")
+    assert run_block(tmp_path, block).splitlines() == [
+        "chunk 0 chunk 1", "chunk 2", "chunk 3", "chunk 4 True"]
+
+
 def test_asyncio_example_runs_as_printed(tmp_path):
     (block,) = readme_blocks("asyncio")
     assert run_block(tmp_path, block).splitlines() == ["[0, 2, 4]", "42"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -105,13 +106,89 @@ def test_app_shuts_down_and_reraises_any_other_error():
         app.close()
 
 
-def test_demo_runs_end_to_end_and_writes_gif_and_sheet(tmp_path, capsys):
+class WatchedApp(VideoApp):
+    """Notes, at every group handed to ``process_output``, whether the next chunk was
+    already sent."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.ahead_at_output: list[bool] = []
+
+    def process_output(self, outcome):
+        self.ahead_at_output.append(self.ahead is not None)
+        return super().process_output(outcome)
+
+
+def run_app_steps(pipeline: bool):
+    """Six steps (2 chunks per rollout, paused at step 1): per step the chunk index and
+    its frames (None: skipped or recovered) and whether a chunk was left ahead."""
+    app = WatchedApp(world_size=2, device="cpu", load_kwargs=SMALL, pipeline=pipeline)
+    app.load()
+    shown, ahead = [], []
+    try:
+        for i in range(6):
+            app.state.paused = i == 1
+            out = app.step()
+            ahead.append(app.ahead is not None)
+            if out is None:
+                exhausted = isinstance(getattr(app.last_outcome, "error", None),
+                                       RolloutExhausted)
+                shown.append("exhausted" if exhausted else None)
+            else:
+                shown.append((app.last_outcome.result.chunk_index, chunk(out).tobytes()))
+        assert app.runner.healthy
+        app.on_session_ended()  # reset: a chunk left ahead is dropped first
+        assert app.ahead is None and app.runner.healthy
+        after_reset = (app.step(), app.last_outcome.result.chunk_index)
+    finally:
+        app.close()
+    return shown, ahead, app.ahead_at_output, after_reset
+
+
+def test_pipelined_app_sends_the_next_chunk_ahead_and_shows_the_same_frames():
+    shown, ahead, at_output, (last, index) = run_app_steps(pipeline=True)
+    one_at_a_time, never_ahead, never_at_output, _ = run_app_steps(pipeline=False)
+    # The same chunks, byte for byte, in the same order, as one step at a time: the
+    # pause skips step 1 and keeps the chunk sent ahead for step 2; the rollout runs
+    # out at step 3 (the chunk sent ahead raised it) and the reset starts a new one.
+    assert [s if s is None or isinstance(s, str) else s[0] for s in shown] == \
+        [0, None, 1, "exhausted", 0, 1]
+    assert shown == one_at_a_time
+    assert ahead == [True, True, True, False, True, True]
+    assert never_ahead == [False] * 6
+    # Each group went to process_output with the next chunk already sent (2 groups per
+    # chunk, 5 chunks with the one after the reset); the exhausted step's one error
+    # outcome had none ahead.
+    assert at_output == [True] * 4 + [False] + [True] * 6
+    assert never_at_output == [False] * 11
+    assert index == 0 and [o.main_video.shape for o in last] == [GROUP] * 2
+
+
+def test_video_app_runs_pipelined_from_the_command_line():
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "video_app.py"), "--world-size", "2",
+         "--device", "cpu", "--steps", "5", "--pipeline"],
+        capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    # 3 chunks per rollout: the fourth step finds it exhausted and resets.
+    for i in (0, 1, 2, 4):
+        assert lines[i].startswith(f"step {i}: 16 frames in 4 groups, first after "), lines
+    assert lines[3].startswith("step 3: rollout exhausted -> reset in "), lines
+    assert lines[5].endswith(" frames/s over steps 1-4, pipelined (the next chunk sent ahead)")
+    assert len(lines) == 6
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_demo_runs_end_to_end_and_writes_gif_and_sheet(tmp_path, capsys, pipeline):
     argv = ["--world-size", "2", "--device", "cpu", "--out", str(tmp_path),
             "--frames", "8", "--frames-per-group", "4", "--height", "32", "--width", "56",
             "--steps-per-prompt", "2", "--chunks-per-rollout", "2",
-            "--prompt", "one", "--prompt", "two"]
+            "--prompt", "one", "--prompt", "two"] + ([] if pipeline else ["--no-pipeline"])
     assert demo.main(argv) == 0
     printed = capsys.readouterr().out
+    how = "pipelined" if pipeline else "one step at a time"
+    assert f"(world_size 2, {how}, first step excluded)" in printed
     assert "paused, skipped" in printed
     assert "rollout exhausted -> reset()" in printed
     assert "frames/s" in printed and "median step" in printed

@@ -84,3 +84,17 @@ class StreamWorker(DistributedWorker):
 
     def reset(self) -> None:
         pass
+
+
+class StepWorker(DistributedWorker):
+    """A model step of ``seconds``, slept: a GPU step keeps the device busy and leaves the
+    rank's CPU (and the caller's) free, which a sleep models and a busy loop would not.
+    Returns the seconds it actually took, so the bound is measured, not assumed."""
+
+    def generate(self, seconds: float, /) -> float:
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        return time.perf_counter() - t0
+
+    def reset(self) -> None:
+        pass
