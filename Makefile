@@ -13,7 +13,7 @@ RAY_SPEC ?= ray==2.60.0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER = 0
 export RAY_USAGE_STATS_ENABLED = 0
 
-.PHONY: venv test test-slow stress demo bench bench-quick bench-per-call bench-pipelined gpu-check lint clean
+.PHONY: venv test test-slow stress demo bench bench-quick bench-per-call bench-pipelined bench-recovery gpu-check lint clean
 
 venv: $(VENV)/.installed
 
@@ -56,6 +56,10 @@ bench-per-call: venv
 # The pipelined-steps rows alone: steps/s with the next step submitted ahead (C, W in ms).
 bench-pipelined: venv
 	$(PY) -m benchmarks.pipelined
+
+# The recovery rows alone (issue 21): a new runner, restart(), restart() with rejoin().
+bench-recovery: venv
+	$(PY) -m benchmarks.recovery
 
 # First contact with this machine's GPUs (all of them, up to 8): the GPU-marked tests at
 # world_size N with NCCL, the README Quickstart, the demo on CUDA, frame timings; one table,
