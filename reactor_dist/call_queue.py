@@ -22,9 +22,9 @@ nobody waits for any more (Ctrl-C, a cancelled task, a stream left early) stays 
 flight until the ranks answer it; its answer is discarded.
 
 The lock guards everything here and both ledgers; only the blocking receive itself
-runs outside it (:mod:`reactor_dist.receiving`: who receives, how the others wait).
-Futures are settled outside it, so
-that their callbacks may call the runner.
+runs outside it (:mod:`reactor_dist.receiving`: who receives, how the others wait,
+when a call is late).  Futures are settled outside it, so that their callbacks may
+call the runner.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from .calls import Call, CallPath, compute_seconds
 from .errors import CallQueueFull, WorkerCrashed, WorkerTimeout, failed_behind
 from .outcome import judge
 from .protocol import Field, Kind
-from .receiving import WAKE, Receiver
+from .receiving import Receiver
 from .restarts import RESTARTING, Restarts
 from .timings import Recorder
 from .transport import Transport
@@ -51,7 +51,7 @@ NEW, READY, UNUSABLE, CLOSED = "new", "ready", "unusable", "closed"
 class CallQueue:
     """Calls in send order, at most ``max_in_flight`` of them sent and not answered."""
 
-    READY = READY
+    NEW, READY, UNUSABLE, CLOSED = NEW, READY, UNUSABLE, CLOSED  # for restarts.py
 
     def __init__(self, transport: Transport, max_in_flight: int, timings: Recorder) -> None:
         self.receiver = Receiver(self)
@@ -107,10 +107,10 @@ class CallQueue:
         if note is not None:
             self.state = RESTARTING
         at = at or (self.in_flight[0] if self.in_flight else None)
-        self._fail_in_flight(lambda call: exc if call is at else failed_behind(
+        self.fail_in_flight(lambda call: exc if call is at else failed_behind(
             exc, call.what, at.what if at is not None else None), note)
 
-    def _fail_in_flight(self, error_of: Callable[[Call], BaseException],
+    def fail_in_flight(self, error_of: Callable[[Call], BaseException],
                         note: str | None = None) -> None:
         for call in self.in_flight:
             if not call.done:
@@ -123,37 +123,6 @@ class CallQueue:
         self.turns.clear()
         self.receiver.changed_all()
 
-    def begin_restart(self) -> None:
-        """restart() from the caller: the calls in flight fail; new ones wait for it."""
-        with self.lock:
-            if self.state == CLOSED:
-                raise RuntimeError("this DistributedRunner was shut down: restart() brings "
-                                   "back a runner that broke, not one shut down; build a new one")
-            if self.state == NEW:
-                raise RuntimeError("start() has not run: call runner.start() first")
-            while self.state == RESTARTING:  # a restart of its own (max_restarts) runs
-                self.receiver.wait(WAKE)
-            if self.state == READY:
-                self.failure = None
-                self._fail_in_flight(lambda call: RuntimeError(
-                    f"{call.what} was in flight when runner.restart() was called: it has "
-                    f"no result"))
-            self.state = RESTARTING
-            self.receiver.changed_all()
-
-    def restarted(self, failure: BaseException | None) -> None:
-        """The restart ended: ready again, or unusable with ``failure``."""
-        with self.lock:
-            if self.state != RESTARTING:
-                return  # shut down meanwhile
-            if failure is None:
-                assert self.path is not None
-                self.path.ranks = self.transport.ranks  # type: ignore[assignment]
-                self.state, self.failure = READY, None
-            else:
-                self.state, self.failure = UNUSABLE, failure
-            self.receiver.changed_all()
-
     def close(self) -> None:
         """Shut down: the calls in flight fail; waits until nobody is receiving."""
         if self.restarts is not None:
@@ -165,7 +134,7 @@ class CallQueue:
                 # The ranks skip the calls that failed here, rather than run them first.
                 self.path.bus.try_publish({Field.KIND: Kind.DROP, Field.SEQ: self.path.seq})
             self.state = CLOSED
-            self._fail_in_flight(lambda call: RuntimeError(
+            self.fail_in_flight(lambda call: RuntimeError(
                 f"{call.what} was still in flight when the runner was shut down: it has no "
                 f"result"))
             self.receiver.wait_for_receiver()
@@ -187,7 +156,7 @@ class CallQueue:
     def send_locked(self, method: str, value: Any, timeout: float | None,
                     future: Future | None = None) -> Call:
         if self.state == RESTARTING:
-            self.wait_for_restart(method, timeout)
+            self.restarts.wait(method, timeout)  # type: ignore[union-attr]
         self.check_usable()
         turn = object()
         self.turns.append(turn)
@@ -199,17 +168,6 @@ class CallQueue:
             return self.publish(turn, method, value, timeout, future)
         finally:
             self.leave_turn(turn)
-
-    def wait_for_restart(self, method: str, timeout: float | None) -> None:
-        """Under the lock: a call made while the runner restarts waits for it."""
-        give_up = None if timeout is None else time.monotonic() + timeout
-        while self.state == RESTARTING:
-            now = time.monotonic()
-            if give_up is not None and now >= give_up:
-                raise CallQueueFull(
-                    f"{method}() waited {timeout:g} s for the runner's restart to end; "
-                    f"nothing was sent (the restart goes on)")
-            self.receiver.wait(WAKE if give_up is None else min(WAKE, give_up - now))
 
     def my_turn(self, turn: object) -> bool:
         """This caller may send now (or must look why not: the runner broke)."""
@@ -428,34 +386,3 @@ class CallQueue:
                 future.set_exception(call.error)
             else:
                 future.set_result(call.value)
-
-    # -- deadlines --------------------------------------------------------------------------
-    def next_deadline(self) -> float | None:
-        """The nearest moment a call in flight runs out of time (None: none can)."""
-        in_flight = self.in_flight
-        if len(in_flight) == 1:
-            return in_flight[0].deadline
-        due = None
-        for i, call in enumerate(in_flight):
-            when = call.deadline if i == 0 else (None if call.abandoned else call.queued_until)
-            if when is not None and (due is None or when < due):
-                due = when
-        return due
-
-    def expire(self, now: float) -> None:
-        """Nothing more arrived and a deadline passed: the call the ranks run, or a call
-        waiting behind it, timed out; the runner breaks."""
-        assert self.in_flight
-        head = self.in_flight[0]
-        silent = [r for r in range(self.world_size) if r not in head.replies]
-        if head.deadline is not None and now >= head.deadline:
-            self.broken(self.transport.timed_out(silent, head.timeout, head.what, head.replies),
-                        head)
-            return
-        for call in list(self.in_flight)[1:]:
-            if call.queued_until is not None and not call.abandoned and now >= call.queued_until:
-                running = (head.seq, silent, head.abandoned)
-                self.broken(self.transport.timed_out(
-                    list(range(self.world_size)), call.timeout, call.what, {}, running), call)
-                return
-

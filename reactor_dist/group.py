@@ -54,6 +54,7 @@ class Rendezvous:
     def __init__(self, boot: Bootstrap, private_dir: str) -> None:
         self.boot, self.private_dir = boot, private_dir
         self.store: Any = None
+        self.epoch = 0  # the group's generation (restart(): +1)
         self.timeout = timedelta(seconds=boot.start_timeout)
 
     def open(self) -> int:
@@ -69,8 +70,8 @@ class Rendezvous:
                                    master_listen_fd=listener.detach())
         return port
 
-    def form_group(self, device: str, port: int, epoch: int = 0) -> None:
-        """Join the group of generation ``epoch`` (0 at start, +1 per restart: each
+    def form_group(self, device: str, port: int) -> None:
+        """Join the group of generation ``self.epoch`` (0 at start, +1 per restart: each
         has a store of its own)."""
         import torch.distributed as dist
 
@@ -79,7 +80,7 @@ class Rendezvous:
             self.store = dist.TCPStore(boot.master_addr, port, boot.world_size, False,
                                        timeout=self.timeout)
         elif self.store is None:
-            name = "store" if not epoch else f"store.{epoch}"
+            name = "store" if not self.epoch else f"store.{self.epoch}"
             self.store = dist.FileStore(os.path.join(self.private_dir, name),
                                         boot.world_size)
             self.store.set_timeout(self.timeout)

@@ -200,8 +200,8 @@ class RankServer:
             began = time.perf_counter()
             if self.boot.init_process_group and self.world_size > 1:
                 self.progress.phase(FORMING)
-                self.epoch = header.get(Field.EPOCH, 0)
-                self.rendezvous.form_group(device, port, self.epoch)
+                self.epoch = self.rendezvous.epoch = header.get(Field.EPOCH, 0)
+                self.rendezvous.form_group(device, port)
                 reply[Field.GROUP_SECONDS] = time.perf_counter() - began
             self.progress.phase(LOADING)
             began = time.perf_counter()
@@ -233,8 +233,8 @@ class RankServer:
                        Field.PORT: port})  # acks the REJOIN (and tells rank 0's port)
             if grouped:
                 began = time.perf_counter()
-                self.rendezvous.form_group(self.device, header.get(Field.PORT) or port,
-                                           self.epoch)
+                self.rendezvous.epoch = self.epoch
+                self.rendezvous.form_group(self.device, header.get(Field.PORT) or port)
                 self.rendezvous.serve_calls()
                 reply[Field.GROUP_SECONDS] = time.perf_counter() - began
             began = time.perf_counter()

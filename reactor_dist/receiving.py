@@ -10,7 +10,9 @@ calls are in flight that nobody waits for (``submit()``'s, or calls left by Ctrl
 a cancelled task or a stream left early), the collector thread receives for them, so
 that futures settle, crashes are reported and abandoned answers go back at once.
 
-A deadline is only declared passed by a receiver that found nothing more to read.
+A deadline is only declared passed by a receiver that found nothing more to read: a
+call's ``timeout`` bounds its wait behind the call the ranks run, then each wait for
+its next reply or item (:meth:`Receiver.next_deadline`).
 """
 
 from __future__ import annotations
@@ -105,10 +107,10 @@ class Receiver:
         queue = self.queue
         if queue.left:
             queue.take_left()
-        due = queue.next_deadline()
+        due = self.next_deadline()
         if due is not None and now >= due:
             if not self.drain():
-                queue.expire(now)
+                self.expire(now)
             return
         until = due if give_up is None else give_up if due is None else min(due, give_up)
         path = queue.path
@@ -175,6 +177,39 @@ class Receiver:
         finally:
             self.waiting -= 1
 
+    # -- deadlines --------------------------------------------------------------------------
+    def next_deadline(self) -> float | None:
+        """The nearest moment a call in flight runs out of time (None: none can): the
+        call the ranks run, its wait for the next reply or item; a call behind it, its
+        wait in the queue."""
+        in_flight = self.queue.in_flight
+        if len(in_flight) == 1:
+            return in_flight[0].deadline
+        due = None
+        for i, call in enumerate(in_flight):
+            when = call.deadline if i == 0 else (None if call.abandoned else call.queued_until)
+            if when is not None and (due is None or when < due):
+                due = when
+        return due
+
+    def expire(self, now: float) -> None:
+        """Nothing more arrived and a deadline passed: the call the ranks run, or a call
+        waiting behind it, timed out; the runner breaks."""
+        queue = self.queue
+        assert queue.in_flight
+        head, world_size = queue.in_flight[0], queue.world_size
+        silent = [r for r in range(world_size) if r not in head.replies]
+        if head.deadline is not None and now >= head.deadline:
+            queue.broken(queue.transport.timed_out(silent, head.timeout, head.what,
+                                                   head.replies), head)
+            return
+        for call in list(queue.in_flight)[1:]:
+            if call.queued_until is not None and not call.abandoned and now >= call.queued_until:
+                running = (head.seq, silent, head.abandoned)
+                queue.broken(queue.transport.timed_out(
+                    list(range(world_size)), call.timeout, call.what, {}, running), call)
+                return
+
     # -- the collector ----------------------------------------------------------------------
     def unwatched(self) -> bool:
         return any(call.watchers <= 0 for call in self.queue.in_flight)
@@ -224,13 +259,13 @@ class Receiver:
         now = time.monotonic()
         if give_up is not None and now >= give_up:
             return False
-        due = self.queue.next_deadline()
+        due = self.next_deadline()
         if not self.receiving:
             if not self.drain() and due is not None and now >= due:
-                self.queue.expire(now)
+                self.expire(now)
             if satisfied():
                 return True
-            due = self.queue.next_deadline()
+            due = self.next_deadline()
         return due if give_up is None else give_up if due is None else min(due, give_up)
 
     def add_waker(self, waker: Waker) -> None:

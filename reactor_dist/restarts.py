@@ -25,6 +25,8 @@ import time
 from typing import TYPE_CHECKING
 
 from . import recovery
+from .errors import CallQueueFull
+from .receiving import WAKE
 
 if TYPE_CHECKING:
     from .call_queue import CallQueue
@@ -72,6 +74,51 @@ class Restarts:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=10)
 
+    def begin(self) -> None:
+        """restart() from the caller: the calls in flight fail; new ones wait for it."""
+        queue = self.queue
+        with queue.lock:
+            if queue.state == queue.CLOSED:
+                raise RuntimeError("this DistributedRunner was shut down: restart() brings "
+                                   "back a runner that broke, not one shut down; build a new one")
+            if queue.state == queue.NEW:
+                raise RuntimeError("start() has not run: call runner.start() first")
+            while queue.state == RESTARTING:  # a restart of its own (max_restarts) runs
+                queue.receiver.wait(WAKE)
+            if queue.state == queue.READY:
+                queue.failure = None
+                queue.fail_in_flight(lambda call: RuntimeError(
+                    f"{call.what} was in flight when runner.restart() was called: it has "
+                    f"no result"))
+            queue.state = RESTARTING
+            queue.receiver.changed_all()
+
+    def ended(self, failure: BaseException | None) -> None:
+        """The restart ended: ready again, or unusable with ``failure``."""
+        queue = self.queue
+        with queue.lock:
+            if queue.state != RESTARTING:
+                return  # shut down meanwhile
+            if failure is None:
+                assert queue.path is not None
+                queue.path.ranks = queue.transport.ranks  # type: ignore[assignment]
+                queue.state, queue.failure = queue.READY, None
+            else:
+                queue.state, queue.failure = queue.UNUSABLE, failure
+            queue.receiver.changed_all()
+
+    def wait(self, method: str, timeout: float | None) -> None:
+        """Under the lock: a call made while the runner restarts waits for it."""
+        queue = self.queue
+        give_up = None if timeout is None else time.monotonic() + timeout
+        while queue.state == RESTARTING:
+            now = time.monotonic()
+            if give_up is not None and now >= give_up:
+                raise CallQueueFull(
+                    f"{method}() waited {timeout:g} s for the runner's restart to end; "
+                    f"nothing was sent (the restart goes on)")
+            queue.receiver.wait(WAKE if give_up is None else min(WAKE, give_up - now))
+
     def in_background(self) -> None:
         try:
             self.run(self.timeout)
@@ -100,7 +147,7 @@ class Restarts:
                                     timeout=timeout, last_seq=last_seq, other=other)
         except BaseException as exc:
             transport.end_ranks()
-            queue.restarted(exc)
+            self.ended(exc)
             raise
         self.count += 1
         self.last = done
@@ -112,7 +159,7 @@ class Restarts:
                     if done.kept else "no rank kept its model", done.seconds,
                     extra={"restart": self.count, "replaced": done.replaced,
                            "kept": done.kept, "restart_seconds": done.seconds})
-        queue.restarted(None)
+        self.ended(None)
 
     def budget_note(self) -> str:
         """The failures that used the budget, for the unusable runner's error."""

@@ -279,7 +279,7 @@ class DistributedRunner:
         what start() would (the runner stays unusable)."""
         timeout = self.start_timeout if timeout is ... else _check_timeout("timeout", timeout)
         with self._lifecycle:
-            self._queue.begin_restart()
+            self._restarts.begin()
             self._restarts.run(timeout)
 
     async def arestart(self, *, timeout: float | None | EllipsisType = ...) -> None:
