@@ -88,14 +88,14 @@ class CallQueue:
             raise RuntimeError(f"this DistributedRunner is restarting after "
                                f"{type(failure).__name__}: wait for it (a call waits by "
                                f"itself)") from failure
-        if state == CLOSED or failure is None:
+        if failure is None:
             raise RuntimeError("this DistributedRunner is unusable (it was shut down); build "
-                               "and start a new one") from failure
+                               "and start a new one")
         budget = self.restarts.budget_note() if self.restarts is not None else ""
-        raise RuntimeError(
-            f"this DistributedRunner is unusable: {type(failure).__name__}: {failure}{budget}. "
-            f"runner.restart() brings its ranks back (or shut it down and build a new one)"
-        ) from failure
+        then = "It was shut down; build and start a new one" if state == CLOSED else \
+            "runner.restart() brings its ranks back (or shut it down and build a new one)"
+        raise RuntimeError(f"this DistributedRunner is unusable: {type(failure).__name__}: "
+                           f"{failure}{budget}. {then}") from failure
 
     def broken(self, exc: BaseException, at: Call | None = None) -> None:
         """The runner is unusable from now on: ``at`` (default: the call the ranks run)
