@@ -37,7 +37,8 @@ from time import perf_counter
 from typing import Any
 
 from .calls import Call, CallPath, compute_seconds
-from .errors import CallQueueFull, WorkerCrashed, WorkerTimeout, failed_behind
+from .errors import CallQueueFull, WorkerCrashed, WorkerTimeout, failed_behind, queue_full
+from .observers import CANCELLED, CRASHED, DESYNC, OK, RAISED, TIMED_OUT, Observer, tell
 from .outcome import judge
 from .protocol import Field, Kind
 from .receiving import Receiver
@@ -67,6 +68,7 @@ class CallQueue:
         self.settled: collections.deque[Call] = collections.deque()  # futures to settle
         self.left: collections.deque[Call] = collections.deque()  # leave_soon()'s
         self.restarts: Restarts | None = None  # set by the runner once built
+        self.observers: tuple[Observer, ...] = ()  # metrics, traces (observers.py)
 
     # -- state ------------------------------------------------------------------------------
     def open(self) -> None:
@@ -107,17 +109,21 @@ class CallQueue:
         if note is not None:
             self.state = RESTARTING
         at = at or (self.in_flight[0] if self.in_flight else None)
+        if isinstance(exc, WorkerCrashed) and self.observers:
+            self.observers = tell(self.observers, "died", self.transport.dead())
         self.fail_in_flight(lambda call: exc if call is at else failed_behind(
-            exc, call.what, at.what if at is not None else None), note)
+            exc, call.what, at.what if at is not None else None), note,
+            CRASHED if isinstance(exc, WorkerCrashed) else
+            TIMED_OUT if isinstance(exc, WorkerTimeout) else DESYNC)
 
     def fail_in_flight(self, error_of: Callable[[Call], BaseException],
-                        note: str | None = None) -> None:
+                       note: str | None = None, outcome: str = CANCELLED) -> None:
         for call in self.in_flight:
             if not call.done:
                 error = error_of(call)
                 if note is not None:
                     error.add_note(note)
-                self._settle(call, None, error)
+                self._settle(call, None, error, outcome)
         self.in_flight.clear()
         self.by_seq.clear()
         self.turns.clear()
@@ -202,6 +208,8 @@ class CallQueue:
         self.in_flight.append(call)
         self.by_seq[call.seq] = call
         self.turns.remove(turn)
+        if self.observers:
+            self.observers = tell(self.observers, "sent", call)
         if future is None:
             call.watchers = 1
         else:
@@ -213,12 +221,8 @@ class CallQueue:
         return call
 
     def queue_full(self, method: str, timeout: float | None) -> CallQueueFull:
-        running = self.in_flight[0].what if self.in_flight else "nothing"
-        return CallQueueFull(
-            f"{method}() waited {timeout:g} s for its turn: the call queue stayed full "
-            f"({len(self.in_flight)} calls in flight, max_in_flight={self.max_in_flight}; the "
-            f"ranks were running {running}). Nothing was sent and the runner stays healthy; "
-            f"wait for a result first, or raise max_in_flight or the timeout")
+        return queue_full(method, timeout, len(self.in_flight), self.max_in_flight,
+                          self.in_flight[0].what if self.in_flight else "nothing")
 
     # -- waiting (threads; asyncio: reactor_dist.aio) ------------------------------------------
     def call(self, method: str, value: Any, timeout: float | None) -> Any:
@@ -331,6 +335,11 @@ class CallQueue:
                 path.discard(header)
             elif kind == Kind.ITEM:
                 if header[Field.RANK] == 0:
+                    if not call.itemized:
+                        call.itemized = True
+                        if self.observers:
+                            self.observers = tell(self.observers, "first_item", call,
+                                                  perf_counter())
                     path.take_item(call, header, body)
                     if call.deadline is not None and call.timeout is not None:
                         call.deadline = time.monotonic() + call.timeout
@@ -354,20 +363,28 @@ class CallQueue:
         assert self.path is not None
         answered = perf_counter()
         verdict = judge(call.method, self.path.outcomes(call))
-        if self.timings.enabled and not call.abandoned:
-            self.timings.record(call.started, call.sent, answered, perf_counter(),
-                                compute_seconds(call, self.world_size))
+        if (self.timings.enabled or self.observers) and not call.abandoned:
+            times = (call.started, call.sent, answered, perf_counter())
+            compute = compute_seconds(call, self.world_size)
+            if self.timings.enabled:
+                self.timings.record(*times, compute)
+            call.times, call.compute = times, compute
         if verdict.breaks:
             self.in_flight.appendleft(call)  # fails first, with the error itself
             self.broken(verdict.error, call)  # type: ignore[arg-type]
         else:
-            self._settle(call, verdict.value, verdict.error)
+            self._settle(call, verdict.value, verdict.error,
+                         OK if verdict.error is None else RAISED)
         self.receiver.changed_all()
 
-    def _settle(self, call: Call, value: Any, error: BaseException | None) -> None:
+    def _settle(self, call: Call, value: Any, error: BaseException | None,
+                outcome: str) -> None:
         if call.abandoned:
-            value = None  # nobody takes it: its memory goes back
+            value, outcome = None, CANCELLED  # nobody takes it: its memory goes back
         call.settle(value, error)
+        if self.observers:
+            self.observers = tell(self.observers, "settled", call, outcome, call.times,
+                                  call.compute)
         if call.future is not None:
             self.settled.append(call)
 

@@ -45,7 +45,7 @@ class Call:
 
     __slots__ = ("seq", "method", "timeout", "what", "replies", "items", "abandoned",
                  "generator", "started", "sent", "queued_until", "deadline", "watchers",
-                 "done", "value", "error", "future")
+                 "done", "value", "error", "future", "itemized", "times", "compute", "tags")
 
     def __init__(self, seq: int, method: str, timeout: float | None, started: float = 0.0,
                  sent: float = 0.0) -> None:
@@ -65,6 +65,11 @@ class Call:
         self.value: Any = None
         self.error: BaseException | None = None
         self.future: Future | None = None  # submit()'s
+        self.itemized = False  # rank 0's first item has come
+        # For observers (observers.py): the timings of an answered call, their own state.
+        self.times: tuple[float, float, float, float] | None = None
+        self.compute: tuple[float, ...] | None = None
+        self.tags: dict[str, Any] | None = None
 
     def settle(self, value: Any, error: BaseException | None) -> None:
         self.done, self.value, self.error = True, value, error

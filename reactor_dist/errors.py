@@ -144,6 +144,15 @@ def rebuild_exception(info: ErrorRecord, data: bytes | None, rank: int) -> BaseE
     return exc
 
 
+def queue_full(method: str, timeout: float | None, in_flight: int, most: int,
+               running: str) -> CallQueueFull:
+    return CallQueueFull(
+        f"{method}() waited {timeout:g} s for its turn: the call queue stayed full "
+        f"({in_flight} calls in flight, max_in_flight={most}; the ranks were running "
+        f"{running}). Nothing was sent and the runner stays healthy; wait for a result "
+        f"first, or raise max_in_flight or the timeout")
+
+
 def failed_behind(exc: BaseException, what: str, at: str | None) -> BaseException:
     """The error of a call in flight behind the one that broke the runner (``at``): the
     same type, saying which call broke it; the call is never replayed."""

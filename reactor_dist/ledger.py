@@ -268,6 +268,11 @@ class Mapped:
         self._released.append(name)
         self.notify()
 
+    def mapped_bytes(self) -> int:
+        """Bytes of the segments mapped here now."""
+        with self._lock:
+            return sum(getattr(view, "size", 0) for view in self.views.values())
+
     def unmap_unused(self) -> None:
         """Drop the mappings nobody views now (idle for a while: a cache, not a hoard;
         the owner's idle segments only free their memory once unmapped here too)."""

@@ -82,6 +82,10 @@ def restart(transport: Transport, *, rejoin: bool, grace: float, timeout: float 
     answers = exchange(transport, asks, deadline - time.monotonic(), timeout, "restart()",
                        first_error=True, other=other)
     raise_first_error(answers)
+    for rank in replaced:
+        seconds = answers[rank][0].get(Field.LOAD_SECONDS)
+        if isinstance(seconds, float):
+            transport.load_seconds[rank] = seconds
     return Restarted(replaced, kept, time.monotonic() - began)
 
 

@@ -25,11 +25,13 @@ import threading
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
+from time import perf_counter
 from types import EllipsisType
 from typing import Any
 
 from . import aio
 from .call_queue import CLOSED, NEW, READY, UNUSABLE, CallQueue
+from .observers import Observer, tell
 from .output import OUTPUT_MODES
 from .placement import check_ray_options
 from .protocol import Method
@@ -162,6 +164,42 @@ class DistributedRunner:
         return self._restarts.count
 
     @property
+    def calls_in_flight(self) -> int:
+        """Calls sent to the ranks and not yet answered by every rank, now."""
+        return len(self._queue.in_flight)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Each rank's device ("cpu", "cuda:0", ...), once started."""
+        return tuple(self._transport.devices)
+
+    @property
+    def load_seconds(self) -> tuple[float | None, ...]:
+        """Each rank's last ``load()`` (a rank that kept its model in a restart: its
+        first), in seconds; None before it ran."""
+        seconds = self._transport.load_seconds
+        return tuple(seconds.get(rank) for rank in range(self._world_size))
+
+    @property
+    def shared_memory_bytes(self) -> int:
+        """Bytes of shared memory this process holds for the runner now: its input
+        pool and the result segments it maps."""
+        return self._transport.shared_memory_bytes()
+
+    def attach_observer(self, observer: Observer) -> None:
+        """Tell ``observer`` (:class:`reactor_dist.observers.Observer`) about every call
+        from now on: how metrics and traces hook in."""
+        queue = self._queue
+        with queue.lock:
+            if observer not in queue.observers:
+                queue.observers = (*queue.observers, observer)
+
+    def detach_observer(self, observer: Observer) -> None:
+        queue = self._queue
+        with queue.lock:
+            queue.observers = tuple(o for o in queue.observers if o is not observer)
+
+    @property
     def max_in_flight(self) -> int:
         """At most this many calls are sent to the ranks and not yet answered."""
         return self._queue.max_in_flight
@@ -205,17 +243,28 @@ class DistributedRunner:
         queue = self._queue
         with self._lifecycle:
             if queue.state != NEW:
-                raise RuntimeError("a DistributedRunner starts once; build a new one to restart")
+                raise RuntimeError("a DistributedRunner starts once; restart() brings its "
+                                   "ranks back after a failure")
             queue.state = UNUSABLE  # until proven otherwise
+            began = perf_counter()
             try:
                 self._transport.start(self.start_timeout)
             except BaseException as exc:
                 queue.failure = exc
                 self._transport.close(graceful=False)
                 queue.state = CLOSED
+                self._lifecycle_ended("start", began, exc)
                 raise
             queue.open()
+            self._lifecycle_ended("start", began, None)
             self._warn_if_no_cuda()
+
+    def _lifecycle_ended(self, name: str, began: float, error: BaseException | None) -> None:
+        queue = self._queue
+        if queue.observers:
+            observers = tell(queue.observers, "lifecycle", name, began, perf_counter(), error)
+            with queue.lock:
+                queue.observers = observers
 
     def _warn_if_no_cuda(self) -> None:
         """gpus= or device="auto" on a machine without CUDA: the ranks run on CPU."""
@@ -280,7 +329,13 @@ class DistributedRunner:
         timeout = self.start_timeout if timeout is ... else _check_timeout("timeout", timeout)
         with self._lifecycle:
             self._restarts.begin()
-            self._restarts.run(timeout)
+            began = perf_counter()
+            try:
+                self._restarts.run(timeout)
+            except BaseException as exc:
+                self._lifecycle_ended("restart", began, exc)
+                raise
+            self._lifecycle_ended("restart", began, None)
 
     async def arestart(self, *, timeout: float | None | EllipsisType = ...) -> None:
         """:meth:`restart`, in a worker thread: the event loop keeps running meanwhile."""

@@ -87,6 +87,7 @@ class Transport:
         self.closing = False  # shutdown() began: a restart in progress gives up
         self.master_port = 0  # MASTER_PORT of the ranks (models that form their own group)
         self.devices: list[str] = []  # each rank's device, once started
+        self.load_seconds: dict[int, float] = {}  # each rank's last load() (READY)
         self.inputs = Ledger(shm_dir, self.shm_prefix, "in", keep_free=keep_free)
         self.results = Mapped(lambda name: shm.Segment.open(shm_dir, name), self._ours)
         self.bus: Bus | None = None
@@ -199,6 +200,11 @@ class Transport:
             else:
                 self.ranks.keep(old.procs[rank])
 
+    def shared_memory_bytes(self) -> int:
+        """The input pool's segments and the result segments mapped here, in bytes."""
+        return sum(seg.size for seg in list(self.inputs.segments.values())) + \
+            self.results.mapped_bytes()
+
     def start_releaser(self, pass_on: Callable[[], None], last_call: Callable[[], float]) -> None:
         """Rank 0's segments go back between calls (releaser.py), once calls can go."""
         self.releaser = Releaser(self.results.has_released, pass_on, last_call,
@@ -216,6 +222,8 @@ class Transport:
         for rank in sorted(ready):
             header = ready[rank][0]
             seconds = header.get(Field.LOAD_SECONDS)
+            if isinstance(seconds, float):
+                self.load_seconds[rank] = seconds
             log.info("rank %d: load() done in %.2f s on %s", rank,
                      seconds if isinstance(seconds, float) else float("nan"),
                      header.get(Field.DEVICE), extra={"rank": rank, "load_seconds": seconds})
