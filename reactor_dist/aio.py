@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .call_queue import READY, CallQueue
+from .call_queue import CallQueue
 from .calls import Call
 from .protocol import Method
 from .receiving import Waker
@@ -79,14 +79,12 @@ async def call(queue: CallQueue, method: str, value: Any, timeout: float | None)
 async def wait_idle(queue: CallQueue, timeout: float | None) -> bool:
     """:meth:`CallQueue.wait_idle` for a task."""
     with queue.lock:
-        queue.check_usable()
-        if not queue.in_flight:
-            return True
-        last = queue.in_flight[-1]
+        answered = queue.all_answered()
+    if answered is None:
+        return True
     give_up = None if timeout is None else time.monotonic() + timeout
-    idle = await wait(queue, lambda: last.done or queue.state != READY, give_up)
-    if queue.state != READY:
-        queue.check_usable()  # raises, chaining the failure
+    idle = await wait(queue, answered, give_up)
+    queue.check_usable()  # the runner broke meanwhile: raises, chaining the failure
     return idle
 
 

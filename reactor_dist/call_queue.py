@@ -265,16 +265,23 @@ class CallQueue:
         """Until every call sent so far is answered by every rank (True), or ``timeout``
         passed (False); raises the failure if the runner breaks meanwhile."""
         with self.lock:
-            self.check_usable()
-            if not self.in_flight:
+            answered = self.all_answered()
+            if answered is None:
                 return True
-            last = self.in_flight[-1]
             give_up = None if timeout is None else time.monotonic() + timeout
-            idle = self.receiver.pump(lambda: last.done or self.state != READY, give_up)
-            if self.state != READY:
-                self.check_usable()  # raises, chaining the failure
+            idle = self.receiver.pump(answered, give_up)
+            self.check_usable()  # the runner broke meanwhile: raises, chaining the failure
         self.settle_futures()
         return idle
+
+    def all_answered(self) -> Callable[[], bool] | None:
+        """Under the lock, on a usable runner: None when no call is in flight, else
+        what says that every call sent so far is answered (or the runner broke)."""
+        self.check_usable()
+        if not self.in_flight:
+            return None
+        last = self.in_flight[-1]
+        return lambda: last.done or self.state != READY
 
     def busy(self) -> list[int]:
         """The ranks that have not answered the call they run."""
