@@ -37,7 +37,7 @@ from .placement import check_ray_options
 from .protocol import Method
 from .restarts import Restarts
 from .shm import DEFAULT_DIR
-from .stream import Stream
+from .stream import Stream, sending_stream
 from .timeouts import check_grace
 from .timeouts import check_timeout as _check_timeout
 from .timings import CallTimings, Recorder, Stats
@@ -246,6 +246,9 @@ class DistributedRunner:
                 raise RuntimeError("a DistributedRunner starts once; restart() brings its "
                                    "ranks back after a failure")
             queue.state = UNUSABLE  # until proven otherwise
+            if "opentelemetry.trace" in sys.modules:  # the app uses OpenTelemetry
+                from .tracing import instrument_if_configured
+                instrument_if_configured(self)  # spans when it set a tracer provider
             began = perf_counter()
             try:
                 self._transport.start(self.start_timeout)
@@ -302,7 +305,8 @@ class DistributedRunner:
 
         ``timeout`` bounds the wait for each next item and for the end of the step.
         Leaving early lets the step finish on every rank and drops the rest unread."""
-        call = self._queue.send(Method.GENERATE, input, self._timeout(timeout))
+        with sending_stream():
+            call = self._queue.send(Method.GENERATE, input, self._timeout(timeout))
         return Stream(self._queue, call)
 
     def reset(self, *, timeout: float | None | EllipsisType = ...) -> None:

@@ -16,11 +16,17 @@ iterator collected) never blocks: the step runs to its end on every rank anyway
 (collectives cannot be abandoned halfway) and counts as in flight until then; its
 remaining items' segments go back unread.  A Ctrl-C inside ``next()`` ends the
 stream like an interrupted ``generate()``.
+
+A stream's call is sent inside :func:`sending_stream`, so that an observer's ``sent``
+hook (which runs in the sending thread or task) tells it from a ``generate()`` by
+:func:`streaming` (traces name its span ``reactor_dist.stream``).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .calls import Undecodable
@@ -28,6 +34,24 @@ from .calls import Undecodable
 if TYPE_CHECKING:
     from .call_queue import CallQueue
     from .calls import Call
+
+
+_streaming: ContextVar[bool] = ContextVar("reactor_dist_streaming", default=False)
+
+
+def streaming() -> bool:
+    """In an observer's ``sent``: whether the call being sent is a stream's."""
+    return _streaming.get()
+
+
+@contextlib.contextmanager
+def sending_stream() -> Iterator[None]:
+    """Around the send of runner.stream()/astream()'s call (a task's context is its own)."""
+    token = _streaming.set(True)
+    try:
+        yield
+    finally:
+        _streaming.reset(token)
 
 
 class _Ends(Protocol):
