@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -187,3 +188,14 @@ def test_traced_once_the_app_set_a_provider_and_nothing_imported_without(tmp_pat
         "[('early request', False), ('reactor_dist.start', True), "
         "('reactor_dist.generate', True), ('request', False)]",
     ]
+
+
+def test_readme_traces_example_runs_as_printed(tmp_path):
+    from test_readme import run_block
+
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    section = text.split("### Traces (OpenTelemetry)\n", 1)[1].split("\n#", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert run_block(tmp_path, block).splitlines() == [
+        "reactor_dist.start True ok", "reactor_dist.generate True ok", "request False None"]
