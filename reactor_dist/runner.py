@@ -37,7 +37,7 @@ from .placement import check_ray_options
 from .protocol import Method
 from .restarts import Restarts
 from .shm import DEFAULT_DIR
-from .stream import Stream, sending_stream
+from .stream import Stream
 from .timeouts import check_grace
 from .timeouts import check_timeout as _check_timeout
 from .timings import CallTimings, Recorder, Stats
@@ -305,9 +305,7 @@ class DistributedRunner:
 
         ``timeout`` bounds the wait for each next item and for the end of the step.
         Leaving early lets the step finish on every rank and drops the rest unread."""
-        with sending_stream():
-            call = self._queue.send(Method.GENERATE, input, self._timeout(timeout))
-        return Stream(self._queue, call)
+        return Stream.send(self._queue, input, self._timeout(timeout))
 
     def reset(self, *, timeout: float | None | EllipsisType = ...) -> None:
         """Run ``reset()`` on every rank (clear session state, keep weights)."""

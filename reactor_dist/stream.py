@@ -30,6 +30,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .calls import Undecodable
+from .protocol import Method
 
 if TYPE_CHECKING:
     from .call_queue import CallQueue
@@ -85,6 +86,12 @@ class Stream:
         self._queue = queue
         self._call: Call | None = call
         self.what = f"the stream of {call.what}"
+
+    @classmethod
+    def send(cls, queue: CallQueue, value: Any, timeout: float | None) -> Stream:
+        """Send ``generate(value)`` as a stream's call (observers see :func:`streaming`)."""
+        with sending_stream():
+            return cls(queue, queue.send(Method.GENERATE, value, timeout))
 
     def __iter__(self) -> Stream:
         return self

@@ -43,7 +43,8 @@ if TYPE_CHECKING:
     from .runner import DistributedRunner
 
 SPAN_KEY = "otel.span"  # this observer's entry in call.tags
-_attached: weakref.WeakKeyDictionary[DistributedRunner, TracingObserver] = \
+# Each runner's observer; None: uninstrument() was called (start() leaves it untraced).
+_attached: weakref.WeakKeyDictionary[DistributedRunner, TracingObserver | None] = \
     weakref.WeakKeyDictionary()
 
 
@@ -129,13 +130,13 @@ def instrument(runner: DistributedRunner,
 
 
 def uninstrument(runner: DistributedRunner) -> None:
-    """Stop tracing ``runner``'s calls."""
-    observer = _attached.pop(runner, None)
+    """Stop tracing ``runner``'s calls (also: start() will not trace it by itself)."""
+    observer, _attached[runner] = _attached.get(runner), None
     if observer is not None:
         runner.detach_observer(observer)
 
 
 def instrument_if_configured(runner: DistributedRunner) -> None:
     """``start()``'s trigger: trace when the application set a tracer provider."""
-    if configured():
+    if runner not in _attached and configured():
         instrument(runner)

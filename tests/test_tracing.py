@@ -24,7 +24,7 @@ from sample_workers import FAULT, ExitsOnRank
 from tracing_workers import Counts
 
 from reactor_dist import DistributedRunner, WorkerCrashed
-from reactor_dist.tracing import instrument
+from reactor_dist.tracing import instrument, uninstrument
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,12 +78,15 @@ def test_each_call_is_a_span_in_the_callers_trace():
                 assert [item async for item in runner.astream(2)] == [0, 1]
 
         asyncio.run(task())
+        uninstrument(runner)
+        with tracer.start_as_current_span("untraced"):
+            assert runner.generate(1) == [0]  # no span of its own any more
     spans = exporter.get_finished_spans()
     assert [span.name for span in spans] == [
         "reactor_dist.generate", "reactor_dist.reset", "reactor_dist.stream",
         "reactor_dist.generate", "reactor_dist.generate", "request",
-        "reactor_dist.generate", "reactor_dist.stream", "async request"]
-    generate, reset, stream, error, submitted, _, agenerate, astream, arequest = spans
+        "reactor_dist.generate", "reactor_dist.stream", "async request", "untraced"]
+    generate, reset, stream, error, submitted, _, agenerate, astream, arequest, _ = spans
     for seq, span in ((1, generate), (2, reset), (3, stream), (5, submitted)):
         check_ok_call(span, request, seq)
     for seq, span in ((6, agenerate), (7, astream)):
