@@ -24,7 +24,7 @@ from .call_queue import CallQueue
 from .calls import Call
 from .protocol import Method
 from .receiving import Waker
-from .stream import hand_out
+from .stream import hand_out, sending_stream
 
 
 async def wait(queue: CallQueue, satisfied: Callable[[], bool],
@@ -114,7 +114,9 @@ class AsyncStream:
         queue = self._queue
         if self._call is None:
             try:
-                self._call = await send(queue, Method.GENERATE, self._value, self._timeout)
+                with sending_stream():
+                    self._call = await send(queue, Method.GENERATE, self._value,
+                                            self._timeout)
             except BaseException:
                 self._done = True
                 raise

@@ -246,6 +246,9 @@ class DistributedRunner:
                 raise RuntimeError("a DistributedRunner starts once; restart() brings its "
                                    "ranks back after a failure")
             queue.state = UNUSABLE  # until proven otherwise
+            if "opentelemetry.trace" in sys.modules:  # the app uses OpenTelemetry
+                from .tracing import instrument_if_configured
+                instrument_if_configured(self)  # spans when it set a tracer provider
             began = perf_counter()
             try:
                 self._transport.start(self.start_timeout)
@@ -302,8 +305,7 @@ class DistributedRunner:
 
         ``timeout`` bounds the wait for each next item and for the end of the step.
         Leaving early lets the step finish on every rank and drops the rest unread."""
-        call = self._queue.send(Method.GENERATE, input, self._timeout(timeout))
-        return Stream(self._queue, call)
+        return Stream.send(self._queue, input, self._timeout(timeout))
 
     def reset(self, *, timeout: float | None | EllipsisType = ...) -> None:
         """Run ``reset()`` on every rank (clear session state, keep weights)."""

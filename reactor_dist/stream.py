@@ -16,18 +16,43 @@ iterator collected) never blocks: the step runs to its end on every rank anyway
 (collectives cannot be abandoned halfway) and counts as in flight until then; its
 remaining items' segments go back unread.  A Ctrl-C inside ``next()`` ends the
 stream like an interrupted ``generate()``.
+
+A stream's call is sent inside :func:`sending_stream`, so that an observer's ``sent``
+hook (which runs in the sending thread or task) tells it from a ``generate()`` by
+:func:`streaming` (traces name its span ``reactor_dist.stream``).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .calls import Undecodable
+from .protocol import Method
 
 if TYPE_CHECKING:
     from .call_queue import CallQueue
     from .calls import Call
+
+
+_streaming: ContextVar[bool] = ContextVar("reactor_dist_streaming", default=False)
+
+
+def streaming() -> bool:
+    """In an observer's ``sent``: whether the call being sent is a stream's."""
+    return _streaming.get()
+
+
+@contextlib.contextmanager
+def sending_stream() -> Iterator[None]:
+    """Around the send of runner.stream()/astream()'s call (a task's context is its own)."""
+    token = _streaming.set(True)
+    try:
+        yield
+    finally:
+        _streaming.reset(token)
 
 
 class _Ends(Protocol):
@@ -61,6 +86,12 @@ class Stream:
         self._queue = queue
         self._call: Call | None = call
         self.what = f"the stream of {call.what}"
+
+    @classmethod
+    def send(cls, queue: CallQueue, value: Any, timeout: float | None) -> Stream:
+        """Send ``generate(value)`` as a stream's call (observers see :func:`streaming`)."""
+        with sending_stream():
+            return cls(queue, queue.send(Method.GENERATE, value, timeout))
 
     def __iter__(self) -> Stream:
         return self

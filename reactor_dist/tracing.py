@@ -1,0 +1,142 @@
+"""OpenTelemetry traces: each call a span inside the caller's own trace.
+
+An application that has set a tracer provider (``trace.set_tracer_provider(...)``)
+gets, from every runner it starts, one span per call (``reactor_dist.generate``,
+``reactor_dist.stream``, ``reactor_dist.reset``) and one per ``start()`` and
+``restart()`` (``reactor_dist.start``, ``reactor_dist.restart``), each a child of the
+span current where the call was made, so a request's trace shows the model step inside
+it.  A span carries the world size, the call number, each rank's compute seconds, the
+slowest rank and the outcome (:data:`reactor_dist.observers.OUTCOMES`); a failed call's
+error is recorded on it (an exception event, status ERROR); rank 0's first item is an
+event ``reactor_dist.first_item``.
+
+**Trigger.**  ``start()`` calls :func:`instrument_if_configured` only when
+``opentelemetry.trace`` is already in ``sys.modules`` (the application imported it);
+that attaches a :class:`TracingObserver` when the global provider is a real one (not
+the API's default proxy or no-op).  Without OpenTelemetry, or with no provider set
+before ``start()``, nothing is imported and nothing is done: the cost is one dict
+lookup per ``start()``.  :func:`instrument` attaches one explicitly (any provider, any
+time); :func:`uninstrument` removes it.
+
+All of this rides on :class:`reactor_dist.observers.Observer`: ``sent`` runs in the
+caller's thread or task, so the span starts there, in the caller's context; it is kept
+in ``call.tags`` and ended by ``settled``, in whichever thread received the last reply
+(under the call queue's lock: a span processor there must not block, as
+``BatchSpanProcessor`` does not).  Times are the queue's own ``perf_counter`` readings,
+turned into wall-clock nanoseconds by one offset taken when the observer is made.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from .observers import Observer
+from .stream import streaming
+
+if TYPE_CHECKING:
+    from .calls import Call
+    from .runner import DistributedRunner
+
+SPAN_KEY = "otel.span"  # this observer's entry in call.tags
+# Each runner's observer; None: uninstrument() was called (start() leaves it untraced).
+_attached: weakref.WeakKeyDictionary[DistributedRunner, TracingObserver | None] = \
+    weakref.WeakKeyDictionary()
+
+
+def configured() -> bool:
+    """Whether the application has set a global tracer provider of its own."""
+    provider = trace.get_tracer_provider()
+    return not isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+
+
+class TracingObserver(Observer):
+    """Spans for one runner's calls, start and restarts (see the module docstring)."""
+
+    def __init__(self, world_size: int,
+                 tracer_provider: trace.TracerProvider | None = None) -> None:
+        self.world_size = world_size
+        self.tracer = trace.get_tracer("reactor_dist", tracer_provider=tracer_provider)
+        # perf_counter seconds -> wall-clock ns (spans are stamped in epoch ns).
+        self.offset_ns = time.time_ns() - time.perf_counter_ns()
+
+    def ns(self, perf_seconds: float) -> int:
+        return int(perf_seconds * 1e9) + self.offset_ns
+
+    def sent(self, call: Call) -> None:
+        name = "stream" if streaming() else call.method
+        span = self.tracer.start_span(
+            f"reactor_dist.{name}", start_time=self.ns(call.started),
+            attributes={"reactor_dist.world_size": self.world_size,
+                        "reactor_dist.call": call.seq})
+        if call.tags is None:
+            call.tags = {}
+        call.tags[SPAN_KEY] = span
+
+    def first_item(self, call: Call, at: float) -> None:
+        span = call.tags.get(SPAN_KEY) if call.tags else None
+        if span is not None:
+            span.add_event("reactor_dist.first_item", timestamp=self.ns(at))
+
+    def settled(self, call: Call, outcome: str,
+                times: tuple[float, float, float, float] | None,
+                compute: tuple[float, ...] | None) -> None:
+        span = call.tags.pop(SPAN_KEY, None) if call.tags else None
+        if span is None:
+            return
+        span.set_attribute("reactor_dist.outcome", outcome)
+        if compute:
+            span.set_attribute("reactor_dist.rank_compute_seconds", list(compute))
+            span.set_attribute("reactor_dist.slowest_rank",
+                               max(range(len(compute)), key=compute.__getitem__))
+        ended = self.ns(times[3] if times is not None else time.perf_counter())
+        if call.error is not None:
+            failed(span, call.error, ended)
+        span.end(end_time=ended)
+
+    def lifecycle(self, name: str, began: float, ended: float,
+                  error: BaseException | None) -> None:
+        span = self.tracer.start_span(
+            f"reactor_dist.{name}", start_time=self.ns(began),
+            attributes={"reactor_dist.world_size": self.world_size,
+                        "reactor_dist.outcome": "ok" if error is None else "failed"})
+        if error is not None:
+            failed(span, error, self.ns(ended))
+        span.end(end_time=self.ns(ended))
+
+
+def failed(span: Any, error: BaseException, at: int) -> None:
+    """The error on the span: ``error.type``, an exception event, status ERROR."""
+    kind = type(error)
+    span.set_attribute("error.type", kind.__qualname__ if kind.__module__ == "builtins"
+                       else f"{kind.__module__}.{kind.__qualname__}")
+    span.record_exception(error, timestamp=at)
+    span.set_status(Status(StatusCode.ERROR, f"{kind.__name__}: {error}"))
+
+
+def instrument(runner: DistributedRunner,
+               tracer_provider: trace.TracerProvider | None = None) -> TracingObserver:
+    """Trace ``runner``'s calls with ``tracer_provider`` (default: the global one);
+    once per runner (a second call returns the observer already attached)."""
+    observer = _attached.get(runner)
+    if observer is None:
+        observer = _attached[runner] = TracingObserver(runner.world_size, tracer_provider)
+        runner.attach_observer(observer)
+    return observer
+
+
+def uninstrument(runner: DistributedRunner) -> None:
+    """Stop tracing ``runner``'s calls (also: start() will not trace it by itself)."""
+    observer, _attached[runner] = _attached.get(runner), None
+    if observer is not None:
+        runner.detach_observer(observer)
+
+
+def instrument_if_configured(runner: DistributedRunner) -> None:
+    """``start()``'s trigger: trace when the application set a tracer provider."""
+    if runner not in _attached and configured():
+        instrument(runner)
