@@ -45,8 +45,8 @@ class Call:
 
     __slots__ = ("seq", "method", "timeout", "what", "replies", "items", "abandoned",
                  "generator", "started", "sent", "queued_until", "deadline", "watchers",
-                 "done", "value", "error", "future", "itemized", "times", "compute", "collective_wait",
-                 "tags")
+                 "done", "value", "error", "future", "itemized", "times", "compute",
+                 "collective_wait", "tags")
 
     def __init__(self, seq: int, method: str, timeout: float | None, started: float = 0.0,
                  sent: float = 0.0) -> None:
