@@ -36,7 +36,7 @@ from concurrent.futures import Future
 from time import perf_counter
 from typing import Any
 
-from .calls import Call, CallPath, compute_seconds
+from .calls import Call, CallPath, collective_wait_seconds, compute_seconds
 from .errors import CallQueueFull, WorkerCrashed, WorkerTimeout, failed_behind, queue_full
 from .observers import CANCELLED, CRASHED, DESYNC, OK, RAISED, TIMED_OUT, Observer, tell
 from .outcome import judge
@@ -373,8 +373,9 @@ class CallQueue:
         if (self.timings.enabled or self.observers) and not call.abandoned:
             times = (call.started, call.sent, answered, perf_counter())
             compute = compute_seconds(call, self.world_size)
+            waits = call.collective_wait = collective_wait_seconds(call, self.world_size)
             if self.timings.enabled:
-                self.timings.record(*times, compute)
+                self.timings.record(*times, compute, waits)
             call.times, call.compute = times, compute
         if verdict.breaks:
             self.in_flight.appendleft(call)  # fails first, with the error itself

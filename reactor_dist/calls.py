@@ -45,7 +45,8 @@ class Call:
 
     __slots__ = ("seq", "method", "timeout", "what", "replies", "items", "abandoned",
                  "generator", "started", "sent", "queued_until", "deadline", "watchers",
-                 "done", "value", "error", "future", "itemized", "times", "compute", "tags")
+                 "done", "value", "error", "future", "itemized", "times", "compute",
+                 "collective_wait", "tags")
 
     def __init__(self, seq: int, method: str, timeout: float | None, started: float = 0.0,
                  sent: float = 0.0) -> None:
@@ -69,6 +70,7 @@ class Call:
         # For observers (observers.py): the timings of an answered call, their own state.
         self.times: tuple[float, float, float, float] | None = None
         self.compute: tuple[float, ...] | None = None
+        self.collective_wait: tuple[float, ...] | None = None  # None: no rank measured
         self.tags: dict[str, Any] | None = None
 
     def settle(self, value: Any, error: BaseException | None) -> None:
@@ -94,6 +96,16 @@ def compute_seconds(call: Call, world_size: int) -> tuple[float, ...]:
     """Each rank's seconds inside its worker method (Field.COMPUTE of its REPLY)."""
     replies = call.replies
     return tuple([replies[rank][0].get(Field.COMPUTE, 0.0) for rank in range(world_size)])
+
+
+def collective_wait_seconds(call: Call, world_size: int) -> tuple[float, ...] | None:
+    """Each rank's seconds of its compute spent waiting in torch.distributed collectives
+    (Field.COLLECTIVE_WAIT); None when the ranks measured none (no group formed)."""
+    replies = call.replies
+    if Field.COLLECTIVE_WAIT not in replies[0][0]:
+        return None
+    return tuple([replies[rank][0].get(Field.COLLECTIVE_WAIT, 0.0)
+                  for rank in range(world_size)])
 
 
 class CallPath:

@@ -39,7 +39,8 @@ class Observer:
                 compute: tuple[float, ...] | None) -> None:
         """``call`` ended with ``outcome``; for an answered call ``times`` are the
         perf_counter readings (send began, CALL published, every REPLY in, judged) and
-        ``compute`` each rank's seconds inside its worker method."""
+        ``compute`` each rank's seconds inside its worker method (``call.collective_wait``:
+        of those, each rank's seconds in collectives, None without a group)."""
 
     def died(self, ranks: list[int]) -> None:
         """``ranks`` were found dead (the runner raises WorkerCrashed)."""

@@ -36,7 +36,10 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
                                               segments the rank let go), RETIRED
                                               (result segments rank 0 unlinked), COMPUTE
                                               (seconds inside the worker method, a float
-                                              duration on the rank's monotonic clock)
+                                              duration on the rank's monotonic clock),
+                                              COLLECTIVE_WAIT (of those, the seconds in
+                                              torch.distributed collectives; only from
+                                              ranks in a group, collective_wait.py)
     release   ->   the caller let go of rank  RELEASED (rank 0's result segments),
                    0's segments, or input     RETIRED (input segments unlinked); ROUND
                    segments were retired,     when it answers a STARVED (the same round)
@@ -127,6 +130,7 @@ class Field:
     ITEMS = "n"
     DEVICE = "dev"
     COMPUTE = "c"
+    COLLECTIVE_WAIT = "cw"
     LOAD_SECONDS = "ls"
     GROUP_SECONDS = "gs"
     PHASE = "ph"

@@ -38,7 +38,7 @@ from typing import Any
 import psutil
 import zmq
 
-from . import shm, transfer, wire
+from . import collective_wait, shm, transfer, wire
 from .device import choose_device, wait_for_device
 from .errors import SharedSlotAllocationFailed, describe, pickle_exception
 from .group import Rendezvous
@@ -79,6 +79,7 @@ class RankServer:
         self.memory = RankMemory(boot, self.rank, self.send)
         self.results, self.inputs = self.memory.results, self.memory.inputs
         self.inside = 0.0  # seconds inside the running generator step (run_steps)
+        self.waits: collective_wait.CollectiveWaits | None = None  # with a group
         self.progress = Reporter(self.send)  # Kind.PROGRESS during start-up
         # Kind.READY as sent: the runner re-sends INIT until it hears from us, and a
         # repeated INIT gets this again (load() runs once).
@@ -203,6 +204,7 @@ class RankServer:
                 self.epoch = self.rendezvous.epoch = header.get(Field.EPOCH, 0)
                 self.rendezvous.form_group(device, port)
                 reply[Field.GROUP_SECONDS] = time.perf_counter() - began
+                self.waits = collective_wait.install(device)
             self.progress.phase(LOADING)
             began = time.perf_counter()
             self.worker = self.boot_worker(device)
@@ -270,6 +272,8 @@ class RankServer:
         value = result = None
         generate = header[Field.METHOD] == Method.GENERATE
         began = 0.0
+        if self.waits is not None:
+            self.waits.begin()
         try:
             if generate:
                 value = transfer.decode(header.get(Field.DESCRIPTORS), body, self.memory.input_base)
@@ -303,6 +307,8 @@ class RankServer:
             value = result = None
         if began:
             reply[Field.COMPUTE] = time.perf_counter() - began
+        if self.waits is not None:  # read after wait_for_device: the events are done
+            reply[Field.COLLECTIVE_WAIT] = self.waits.take()
         if error is None and generate and self.rank == 0 and Field.ITEMS not in reply:
             try:
                 descriptors, payload, _ = transfer.encode(

@@ -213,8 +213,9 @@ class DistributedRunner:
     # -- timings (reactor_dist.timings) ------------------------------------------------------
     @property
     def last_timings(self) -> CallTimings | None:
-        """Where the seconds of the latest answered call went: ``wall``, ``compute`` (per
-        rank), ``slowest_rank``, ``encode``, ``wait``, ``decode``; None before the first."""
+        """Where the seconds of the latest answered call went: ``wall``, ``compute``,
+        ``collective_wait`` and ``busy`` (per rank), ``slowest_rank``, ``encode``,
+        ``wait``, ``decode``; None before the first."""
         return self._timings.last
 
     @property
@@ -227,8 +228,9 @@ class DistributedRunner:
         self._timings.enabled = bool(on)
 
     def stats(self, reset: bool = False) -> Stats:
-        """Per-rank compute and the overhead (count, p50, p90, p99) over the calls since
-        start or the last reset (the latest 10,000 of them); ``str()`` is a table."""
+        """Per-rank compute, busy time and collective wait, and the overhead (count,
+        p50, p90, p99) over the calls since start or the last reset (the latest 10,000
+        of them); ``str()`` is a table."""
         stats = self._timings.stats(reset)
         stats.restarts = self._restarts.count
         return stats

@@ -6,6 +6,7 @@ gloo for CPU ones)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import sys
 import pytest
 import torch
 from gpu_workers import FRAME, OnGpu
+from timing_workers import SlowBeforeAllReduce
 
 from reactor_dist import DistributedRunner
 
@@ -77,3 +79,75 @@ def test_more_ranks_than_gpus_is_a_clear_error():
     ranks = torch.cuda.device_count() + 1
     with pytest.raises(RuntimeError, match=f"only {ranks - 1} are visible"):
         runner(world_size=ranks, init_process_group=False).start()
+
+
+def stragglers(caplog) -> list:
+    return [r for r in caplog.records if r.name == "reactor_dist" and "straggler" in r.message]
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_a_rank_slow_before_an_all_reduce_is_named_on_cuda(caplog, where):
+    # The CPU test's case (tests/test_timings.py) over NCCL: rank n-1 is 20 ms late to an
+    # all_reduce of CUDA tensors, by sleeping on the host or by GPU work queued before it
+    # (then every host launches at once: only the device timeline sees the wait).
+    n = gpu_world_size()
+    if n < 2:
+        pytest.skip("needs 2 GPUs")
+    caplog.set_level(logging.WARNING, logger="reactor_dist")
+    slow = {"host": {"extra": 0.02}, "device": {"extra": 0.0, "spin_cycles": 40_000_000}}
+    with DistributedRunner(SlowBeforeAllReduce, world_size=n, device="cuda",
+                           call_timeout=120.0, load_kwargs={"slow": n - 1, **slow[where]}) as r:
+        for i in range(40):
+            assert r.generate(i) == 4.0 * n + i
+        t = r.last_timings
+        assert t.slowest_rank == n - 1
+        assert t.collective_wait[0] > t.collective_wait[n - 1]
+        assert r.stats().busy[n - 1].p50 > r.stats().busy[0].p50
+    (record,) = stragglers(caplog)
+    assert record.getMessage().startswith(f"rank {n - 1} is a straggler")
+
+
+def test_a_balanced_run_on_cuda_warns_of_no_straggler(caplog):
+    n = gpu_world_size()
+    if n < 2:
+        pytest.skip("needs 2 GPUs")
+    caplog.set_level(logging.WARNING, logger="reactor_dist")
+    with DistributedRunner(SlowBeforeAllReduce, world_size=n, device="cuda",
+                           call_timeout=120.0,
+                           load_kwargs={"slow": None, "base": 0.005}) as r:
+        for i in range(40):
+            assert r.generate(i) == 4.0 * n + i
+        assert len(r.last_timings.collective_wait) == n
+    assert stragglers(caplog) == []
+
+
+DEVICE_EVENTS = """
+import os, sys, torch, torch.distributed as dist
+from reactor_dist import collective_wait
+store = dist.FileStore(sys.argv[1], 1)
+dist.init_process_group("cpu:gloo,cuda:nccl", store=store, rank=0, world_size=1,
+                        device_id=torch.device("cuda:0"))
+waits = collective_wait.install("cuda:0")
+t = torch.ones(4, device="cuda:0")
+waits.begin()
+dist.all_reduce(t)                          # CUDA tensor: one pair of events
+dist.all_reduce(t, async_op=True).wait()    # one pair at the call, one in wait()
+dist.all_gather([torch.zeros(1)], torch.ones(1))  # CPU tensors: host wall time
+host = waits.host
+torch.cuda.synchronize()
+print(waits.used, host > 0, waits.take() > host, waits.used, t.sum().item())
+waits.begin()
+torch.cuda._sleep(2_000_000_000)  # about a second: the next events are not done yet
+dist.all_reduce(t)
+print(waits.take())               # an incomplete pair is left out, no error
+torch.cuda.synchronize()
+dist.destroy_process_group()
+"""
+
+
+def test_collectives_on_cuda_tensors_are_timed_with_device_events(tmp_path):
+    # One GPU is enough: a group of one rank, in a fresh interpreter.
+    out = subprocess.run([sys.executable, "-c", DEVICE_EVENTS, str(tmp_path / "store")],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines() == ["3 True True 0 4.0", "0.0"]

@@ -6,7 +6,14 @@ import logging
 import time
 
 import pytest
-from timing_workers import Raises, RaisingSteps, SlowRank, SlowSteps, TorchImported
+from timing_workers import (
+    Raises,
+    RaisingSteps,
+    SlowBeforeAllReduce,
+    SlowRank,
+    SlowSteps,
+    TorchImported,
+)
 
 from reactor_dist import DistributedRunner
 from reactor_dist.timings import CallTimings, Recorder
@@ -167,3 +174,65 @@ def test_timing_a_cpu_rank_never_imports_torch():
         runner.reset()
         assert list(runner.stream("steps")) == [False, False]
         assert runner.generate(0) is False
+
+
+def test_a_rank_slow_before_an_all_reduce_is_named_by_its_busy_time(caplog):
+    # Rank 1 sleeps 20 ms before an all_reduce: rank 0 waits inside it, so both ranks'
+    # compute is ~20 ms; their collective waits and busy times tell them apart.
+    caplog.set_level(logging.WARNING, logger="reactor_dist")
+    with runner_for(SlowBeforeAllReduce, init_process_group=True,
+                    load_kwargs={"slow": 1, "extra": 0.02}) as runner:
+        for i in range(40):
+            assert runner.generate(i) == 8.0 + i
+        t = runner.last_timings
+        assert len(t.collective_wait) == 2 and len(t.busy) == 2
+        assert t.collective_wait[0] >= 0.015 and t.busy[1] >= 0.02
+        assert t.busy[0] < t.busy[1] and t.collective_wait[1] < t.collective_wait[0]
+        assert t.busy == pytest.approx([c - w for c, w in
+                                        zip(t.compute, t.collective_wait, strict=True)])
+        assert t.slowest_rank == 1 and "collective_wait=(" in repr(t)
+        stats = runner.stats()
+        assert [s.count for s in stats.busy] == [40, 40]
+        assert [s.count for s in stats.collective_wait] == [40, 40]
+        assert stats.busy[1].p50 > stats.busy[0].p50
+        assert stats.collective_wait[0].p50 > stats.collective_wait[1].p50
+        names = [" ".join(line.split()[:-4]) for line in str(stats).splitlines()[1:]]
+        assert names == ["rank 0 compute", "rank 1 compute", "rank 0 busy", "rank 1 busy",
+                         "rank 0 collective wait", "rank 1 collective wait", "overhead",
+                         "wall"]
+    (record,) = stragglers(caplog)
+    assert record.getMessage().startswith("rank 1 is a straggler: its median busy time")
+
+
+@pytest.mark.parametrize("how", ["sync", "async", "imported"])
+def test_a_balanced_run_with_an_all_reduce_warns_of_no_straggler(caplog, how):
+    caplog.set_level(logging.WARNING, logger="reactor_dist")
+    with runner_for(SlowBeforeAllReduce, init_process_group=True,
+                    load_kwargs={"slow": None, "base": 0.005, "how": how}) as runner:
+        for i in range(40):
+            assert runner.generate(i) == 8.0 + i
+        waits = runner.last_timings.collective_wait
+        assert len(waits) == 2 and all(w > 0 for w in waits)
+        assert runner.stats().collective_wait[0].count == 40
+    assert stragglers(caplog) == []
+
+
+@pytest.mark.parametrize("how", ["async", "imported"])
+def test_an_async_or_imported_all_reduce_is_timed_too(caplog, how):
+    caplog.set_level(logging.WARNING, logger="reactor_dist")
+    with runner_for(SlowBeforeAllReduce, init_process_group=True,
+                    load_kwargs={"slow": 1, "extra": 0.02, "how": how}) as runner:
+        for i in range(20):
+            runner.generate(i)
+        t = runner.last_timings
+        assert t.collective_wait[0] >= 0.015 and t.slowest_rank == 1
+    (record,) = stragglers(caplog)
+    assert record.getMessage().startswith("rank 1 ")
+
+
+def test_ranks_without_a_group_measure_no_collective_wait():
+    with runner_for(SlowRank, load_kwargs={"slow": 1, "extra": 0.01}) as runner:
+        runner.generate(1)
+        t = runner.last_timings
+        assert t.collective_wait == (0.0, 0.0) and t.busy == t.compute
+        assert "busy" not in str(runner.stats())

@@ -91,3 +91,37 @@ class TorchImported(DistributedWorker):
 
     def reset(self) -> None:
         pass
+
+
+class SlowBeforeAllReduce(DistributedWorker):
+    """Sleeps ``base`` seconds, ``extra`` more on rank ``slow`` (None: balanced), then
+    all_reduces a tensor on its device: the others wait for the slow rank inside it.
+    ``how``: "sync", "async" (async_op=True, then wait()), or "imported" (``from
+    torch.distributed import all_reduce``).  ``spin_cycles`` (CUDA): the slow rank queues
+    that much GPU work before the all_reduce instead of sleeping (a device-side straggler:
+    every rank's host launches the all_reduce at once)."""
+
+    def load(self, slow: int | None = 1, base: float = 0.0, extra: float = 0.02,
+             how: str = "sync", spin_cycles: int = 0) -> None:
+        import torch
+
+        self.torch, self.how, self.spin = torch, how, spin_cycles
+        self.slow, self.base, self.extra = slow, base, extra
+        self.ones = torch.ones(4, device=self.device)
+
+    def generate(self, x, /):
+        import torch.distributed as dist
+
+        time.sleep(self.base + (self.extra if self.rank == self.slow else 0.0))
+        if self.spin and self.rank == self.slow:
+            self.torch.cuda._sleep(self.spin)
+        tensor = self.ones.clone()
+        if self.how == "async":
+            dist.all_reduce(tensor, async_op=True).wait()
+        elif self.how == "imported":
+            from torch.distributed import all_reduce
+
+            all_reduce(tensor)
+        else:
+            dist.all_reduce(tensor)
+        return float(tensor.sum().item()) + x

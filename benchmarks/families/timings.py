@@ -5,6 +5,11 @@ order flipping every round). The ranks always time their compute (two
 ``perf_counter`` calls and one header field), so that part is in both. Target: the
 bookkeeping costs ≤ 5 µs a call. ``python -m benchmarks.timing_cost`` measures the
 same, and the caller's part alone in process.
+
+And the collective-wait measurement (:mod:`reactor_dist.collective_wait`): a 2-rank
+runner with its gloo group whose ``generate`` does one ``all_reduce`` of one float
+through the timed wrapper or through the function it wraps, in alternating blocks.
+Target: ≤ 2 µs a collective.
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ from benchmarks.families.overhead import INPUT
 from benchmarks.implementations.pools import EchoRunner
 from benchmarks.report.results import Results, Row
 from benchmarks.report.stats import alternate_blocks, record_calls, summarize
+from benchmarks.timing_cost import AllReduceOnce
 
 WORLD_SIZE = 2
 TARGET_S = 5e-6
 METRIC = "timings"
 ON, OFF = "timings on", "timings off"
+WAITS_TARGET_S = 2e-6
+TIMED, UNTIMED = "collective timed", "collective untimed"
 
 
 def measure(settings: Settings, results: Results) -> None:
@@ -40,6 +48,28 @@ def measure(settings: Settings, results: Results) -> None:
         echo.close()
     for key, v in samples.items():
         results.put(METRIC, f"ws{WORLD_SIZE}", key, summarize(v))
+    measure_collective_waits(s, results)
+
+
+def measure_collective_waits(s: Settings, results: Results) -> None:
+    from reactor_dist import DistributedRunner
+
+    runner = DistributedRunner(AllReduceOnce, world_size=WORLD_SIZE, device="cpu",
+                               call_timeout=120.0)
+    try:
+        runner.start()
+
+        def block(timed: bool) -> Callable[[int, list[float]], None]:
+            def run(n: int, into: list[float]) -> None:
+                record_calls(lambda: runner.generate(timed), n, into)
+            return run
+
+        samples = alternate_blocks({TIMED: block(True), UNTIMED: block(False)},
+                                   calls=s.aio_calls, warmup=s.aio_warmup, rounds=s.aio_rounds)
+    finally:
+        runner.shutdown()
+    for key, v in samples.items():
+        results.put(METRIC, f"ws{WORLD_SIZE}", key, summarize(v))
 
 
 def rows(results: Results, settings: Settings) -> list[Row]:
@@ -53,4 +83,13 @@ def rows(results: Results, settings: Settings) -> list[Row]:
         extra = on.median - off.median
         row.target = f"≤ +5 µs ({extra * 1e6:+.1f} µs)"
         row.met = extra <= TARGET_S
-    return [row]
+    timed, untimed = results.get(METRIC, cfg, TIMED), results.get(METRIC, cfg, UNTIMED)
+    waits = Row(section=f"Per-call timings (echo worker, world_size {WORLD_SIZE})",
+                case="generate() with one all_reduce, its collective wait measured",
+                unit="us", ours=timed, floor=untimed,
+                floor_label="the same all_reduce, not timed", target="≤ +2 µs")
+    if timed is not None and untimed is not None:
+        extra = timed.median - untimed.median
+        waits.target = f"≤ +2 µs ({extra * 1e6:+.1f} µs)"
+        waits.met = extra <= WAITS_TARGET_S
+    return [row, waits]
