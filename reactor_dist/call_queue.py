@@ -224,56 +224,7 @@ class CallQueue:
         return queue_full(method, timeout, len(self.in_flight), self.max_in_flight,
                           self.in_flight[0].what if self.in_flight else "nothing")
 
-    # -- waiting (threads; asyncio: reactor_dist.aio) ------------------------------------------
-    def call(self, method: str, value: Any, timeout: float | None) -> Any:
-        """Send and wait for the answer: rank 0's value, or the contract's error."""
-        try:
-            with self.lock:
-                call = self.send_locked(method, value, timeout)
-                try:
-                    self.receiver.pump(lambda: call.done)
-                except BaseException:  # interrupted (Ctrl-C): the ranks still run it
-                    self.leave(call)
-                    raise
-        finally:
-            self.settle_futures()
-        return call.result()
-
-    def submit(self, method: str, value: Any, timeout: float | None) -> Future:
-        future: Future = Future()
-        self.send(method, value, timeout, future)
-        return future
-
-    def next_item(self, call: Call) -> tuple[bool, Any]:
-        """(True, item) for rank 0's next item of ``call``; (False, None) once every rank
-        answered and no item is left (then ``call.result()`` is the end)."""
-        with self.lock:
-            call.watchers += 1
-            try:
-                self.receiver.pump(lambda: bool(call.items) or call.done)
-            except BaseException:  # interrupted (Ctrl-C): the stream ends
-                self.leave(call)
-                raise
-            finally:
-                self.unwatch(call)
-            if call.items:
-                return True, call.items.popleft()
-        self.settle_futures()
-        return False, None
-
-    def wait_idle(self, timeout: float | None) -> bool:
-        """Until every call sent so far is answered by every rank (True), or ``timeout``
-        passed (False); raises the failure if the runner breaks meanwhile."""
-        with self.lock:
-            answered = self.all_answered()
-            if answered is None:
-                return True
-            give_up = None if timeout is None else time.monotonic() + timeout
-            idle = self.receiver.pump(answered, give_up)
-            self.check_usable()  # the runner broke meanwhile: raises, chaining the failure
-        self.settle_futures()
-        return idle
-
+    # -- what the waits of threads (blocking.py) and tasks (aio.py) ask -------------------
     def all_answered(self) -> Callable[[], bool] | None:
         """Under the lock, on a usable runner: None when no call is in flight, else
         what says that every call sent so far is answered (or the runner broke)."""

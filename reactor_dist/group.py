@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import os
 import socket
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -86,6 +88,19 @@ class Rendezvous:
             self.store.set_timeout(self.timeout)
         dist.init_process_group(store=self.store, rank=boot.rank, world_size=boot.world_size,
                                 timeout=self.timeout, **group_options(device))
+
+    def rejoin(self, device: str, epoch: int, port: int, ack: Callable[[int], None]) -> float:
+        """restart(), on a rank that keeps its model: leave the old group, ``ack`` (with
+        rank 0's new store port across nodes, else 0), join the group of ``epoch``
+        (``port``: rank 0's store, from the runner); the seconds the joining took."""
+        self.leave_group(device)
+        own = self.open()
+        ack(own)
+        began = time.perf_counter()
+        self.epoch = epoch
+        self.form_group(device, port or own)
+        self.serve_calls()
+        return time.perf_counter() - began
 
     def leave_group(self, device: str) -> None:
         """restart(), on a rank that keeps its model: the old group goes (a CUDA group is

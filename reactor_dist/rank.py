@@ -43,7 +43,7 @@ from .device import choose_device, wait_for_device
 from .errors import SharedSlotAllocationFailed, describe, pickle_exception
 from .group import Rendezvous
 from .progress import FORMING, IMPORTING, LOADING, Reporter
-from .protocol import Bootstrap, Field, Kind, Method, Status, segments_of
+from .protocol import Bootstrap, Field, Kind, Method, Status
 from .rank_memory import CALLER, Inbox, RankMemory
 from .validation import import_worker_class
 
@@ -149,21 +149,17 @@ class RankServer:
                 continue  # a restart's command for the other ranks
             elif kind == Kind.INIT and self.ready is None:
                 self.init(header)
-            elif kind == Kind.INIT:
-                ready, ready_body = self.ready
-                self.send(dict(ready), list(ready_body))
             elif kind == Kind.REJOIN and header.get(Field.EPOCH, 0) > self.epoch:
                 self.rejoin(header)
-            elif kind == Kind.REJOIN:
-                rejoined, rejoined_body = self.rejoined
-                self.send(dict(rejoined), list(rejoined_body))
+            elif kind in (Kind.INIT, Kind.REJOIN):  # a repeat gets the same answer again
+                again, again_body = self.ready if kind == Kind.INIT else self.rejoined
+                self.send(dict(again), list(again_body))
             elif kind == Kind.CALL and header[Field.SEQ] > self.last_seq:
                 self.last_seq = header[Field.SEQ]
-                if not self.inbox.skips(header[Field.SEQ]):
+                if self.inbox.skips(header[Field.SEQ]):
+                    self.memory.skipped(header)
+                else:
                     self.call(header, body)
-                else:  # never run: what it names goes back as if it had been
-                    self.memory.apply(header)
-                    self.inputs.release(segments_of(header.get(Field.DESCRIPTORS)))
             elif kind == Kind.SHUTDOWN:
                 break
         self.close()
@@ -225,20 +221,16 @@ class RankServer:
         reply: dict[str, Any] = {Field.KIND: Kind.REJOINED, Field.SEQ: 0,
                                  Field.EPOCH: self.epoch, Field.STATUS: Status.OK}
         body: list = []
-        try:
-            grouped = self.boot.init_process_group and self.world_size > 1
-            port = 0
-            if grouped:
-                self.rendezvous.leave_group(self.device)
-                port = self.rendezvous.open()  # rank 0 across nodes: its new store
+        def ack(port: int) -> None:  # the REJOIN arrived (rank 0 across nodes: its store)
             self.send({Field.KIND: Kind.PROGRESS, Field.SEQ: 0, Field.PHASE: FORMING,
-                       Field.PORT: port})  # acks the REJOIN (and tells rank 0's port)
-            if grouped:
-                began = time.perf_counter()
-                self.rendezvous.epoch = self.epoch
-                self.rendezvous.form_group(self.device, header.get(Field.PORT) or port)
-                self.rendezvous.serve_calls()
-                reply[Field.GROUP_SECONDS] = time.perf_counter() - began
+                       Field.PORT: port})
+
+        try:
+            if self.boot.init_process_group and self.world_size > 1:
+                reply[Field.GROUP_SECONDS] = self.rendezvous.rejoin(
+                    self.device, self.epoch, header.get(Field.PORT) or 0, ack)
+            else:
+                ack(0)
             began = time.perf_counter()
             hook = getattr(self.worker, "rejoin", None)
             if hook is not None:
@@ -323,13 +315,7 @@ class RankServer:
             reply[Field.ERROR] = describe(error)
             payload = [pickle_exception(error) or b""]
             error = None
-        released = self.inputs.take_released()
-        if released:
-            reply[Field.RELEASED] = released
-            self.memory.unchecked.update(released)
-        retired = self.results.take_retired()
-        if retired:
-            reply[Field.RETIRED] = retired
+        self.memory.tell(reply, released=True)
         self.send(reply, payload)
         self.memory.check_written_views()
 
@@ -377,9 +363,7 @@ class RankServer:
         message: dict[str, Any] = {Field.KIND: Kind.ITEM, Field.SEQ: seq, Field.INDEX: index}
         if descriptors:
             message[Field.DESCRIPTORS] = descriptors
-        retired = self.results.take_retired()
-        if retired:
-            message[Field.RETIRED] = retired
+        self.memory.tell(message)
         self.send(message, payload)
         return None
 

@@ -34,7 +34,7 @@ import zmq
 from . import shm, wire
 from .host_pinning import HostPinning, cuda_runtime_of
 from .ledger import IDLE_RETURN, Ledger, Mapped
-from .protocol import Bootstrap, Field, Kind, result_tag
+from .protocol import Bootstrap, Field, Kind, result_tag, segments_of
 
 log = logging.getLogger("reactor_dist")
 # Who holds a segment of rank 0's result ledger.
@@ -136,6 +136,24 @@ class RankMemory:
         retired = header.get(Field.RETIRED)
         if retired:
             self.inputs.unmap(retired)
+
+    def skipped(self, header: dict[str, Any]) -> None:
+        """A CALL that a restart dropped is never run: what it names goes back as if it
+        had been (its ledger fields applied, its input segments released)."""
+        self.apply(header)
+        self.inputs.release(segments_of(header.get(Field.DESCRIPTORS)))
+
+    def tell(self, message: dict[str, Any], released: bool = False) -> None:
+        """The ledger fields of an outgoing message: rank 0's segments it unlinked
+        (RETIRED) and, with ``released``, the runner's inputs let go (RELEASED)."""
+        if released:
+            names = self.inputs.take_released()
+            if names:
+                message[Field.RELEASED] = names
+                self.unchecked.update(names)
+        retired = self.results.take_retired()
+        if retired:
+            message[Field.RETIRED] = retired
 
     def on_memory(self, header: dict[str, Any]) -> None:
         """A RELEASE or RECLAIM command, whenever it is read."""

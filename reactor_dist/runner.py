@@ -29,7 +29,7 @@ from time import perf_counter
 from types import EllipsisType
 from typing import Any
 
-from . import aio
+from . import aio, blocking
 from .call_queue import CLOSED, NEW, READY, UNUSABLE, CallQueue
 from .observers import Observer, tell
 from .output import OUTPUT_MODES
@@ -287,7 +287,7 @@ class DistributedRunner:
     def generate(self, input: Any, /, *,
                  timeout: float | None | EllipsisType = ...) -> Any:
         """Run ``generate(input)`` on every rank; rank 0's result, or the contract's error."""
-        return self._queue.call(Method.GENERATE, input, self._timeout(timeout))
+        return blocking.call(self._queue, Method.GENERATE, input, self._timeout(timeout))
 
     def submit(self, input: Any, /, *,
                timeout: float | None | EllipsisType = ...) -> Future:
@@ -299,7 +299,7 @@ class DistributedRunner:
         waits for one to be answered, at most ``timeout`` (then CallQueueFull: nothing
         was sent, the runner stays healthy); ``timeout`` then bounds the call's wait
         behind the call the ranks run, and each wait for its replies."""
-        return self._queue.submit(Method.GENERATE, input, self._timeout(timeout))
+        return blocking.submit(self._queue, Method.GENERATE, input, self._timeout(timeout))
 
     def stream(self, input: Any, /, *,
                timeout: float | None | EllipsisType = ...) -> Stream:
@@ -311,14 +311,14 @@ class DistributedRunner:
 
     def reset(self, *, timeout: float | None | EllipsisType = ...) -> None:
         """Run ``reset()`` on every rank (clear session state, keep weights)."""
-        self._queue.call(Method.RESET, None, self._timeout(timeout))
+        blocking.call(self._queue, Method.RESET, None, self._timeout(timeout))
 
     def wait_idle(self, timeout: float | None | EllipsisType = ...) -> bool:
         """Wait until the ranks answered every call sent so far, also the calls nobody
         waits for any more (Ctrl-C, a cancelled task, a stream left early, a submitted
         call): True once idle, False when ``timeout`` (default ``call_timeout``, None: no
         limit) ran out first; the runner stays usable either way."""
-        return self._queue.wait_idle(self._timeout(timeout))
+        return blocking.wait_idle(self._queue, self._timeout(timeout))
 
     def restart(self, *, timeout: float | None | EllipsisType = ...) -> None:
         """Bring the runner back to what start() leaves (every rank loaded, same

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol
 
+from . import blocking
 from .calls import Undecodable
 from .protocol import Method
 
@@ -101,7 +102,7 @@ class Stream:
         if call is None:
             raise StopIteration
         try:
-            more, item = self._queue.next_item(call)
+            more, item = blocking.next_item(self._queue, call)
         except BaseException:  # interrupted: the queue has left the call
             self._call = None
             raise
