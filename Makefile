@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	# A torch already in the environment is kept; else TORCH_SPEC (see above).
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -c "import ray" 2>/dev/null || $(PY) -m pip install -q $(RAY_SPEC)
-	$(PY) -m pip install -q -e ".[dev,ray]"
+	$(PY) -m pip install -q -e ".[dev,ray,metrics]"
 	touch $@
 
 test: venv
