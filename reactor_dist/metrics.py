@@ -255,7 +255,7 @@ def serve(port: int, addr: str = "127.0.0.1", registry: Any = None) -> Any:
     daemon thread, for a process that has no HTTP server of its own.  Loopback unless
     told otherwise.  Returns the server (``server.server_port``: the port, also when
     ``port`` was 0; ``server.shutdown()`` stops it)."""
-    pc = _prometheus().core
+    pc = _prometheus()
     server, _thread = pc.start_http_server(
         port, addr=addr, registry=pc.REGISTRY if registry is None else registry)
     return server
