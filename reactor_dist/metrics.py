@@ -16,11 +16,14 @@ that was shut down, or garbage-collected, has no series any more.
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from bisect import bisect_left
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from .observers import OUTCOMES, Observer
 
@@ -32,6 +35,7 @@ PREFIX = "reactor_dist_"
 # Upper bounds (seconds) of the histogram buckets: steps from 100 µs to 60 s.
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
            0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_BOUNDS = np.array(BUCKETS)
 METHODS = ("generate", "reset")
 
 
@@ -51,38 +55,49 @@ class Histogram:
     __slots__ = ("counts", "sum")
 
     def __init__(self) -> None:
-        self.counts = [0] * (len(BUCKETS) + 1)  # the last: above 60 s (+Inf)
+        self.counts = np.zeros(len(BUCKETS) + 1, dtype=np.int64)  # the last: above 60 s
         self.sum = 0.0
 
     def observe(self, seconds: float) -> None:
         self.counts[bisect_left(BUCKETS, seconds)] += 1
         self.sum += seconds
 
+    def observe_many(self, seconds: np.ndarray) -> None:
+        # side="left" puts a value equal to a bound in that bound's bucket (le: <=).
+        where = np.searchsorted(_BOUNDS, seconds, side="left")
+        self.counts += np.bincount(where, minlength=len(self.counts))
+        self.sum += float(seconds.sum())
+
     def cumulative(self) -> tuple[list[tuple[str, float]], float]:
         """(le, count) pairs as prometheus-client's HistogramMetricFamily takes them."""
-        counts, total = list(self.counts), self.sum
-        buckets, running = [], 0
-        for bound, count in zip((*BUCKETS, float("inf")), counts, strict=True):
-            running += count
-            buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
-        return buckets, total
+        running, total = np.cumsum(self.counts), self.sum
+        les = [repr(bound) for bound in BUCKETS] + ["+Inf"]
+        return [(le, int(n)) for le, n in zip(les, running, strict=True)], total
 
 
 class RunnerMetrics(Observer):
-    """The accumulators of one runner (what :func:`register` returns)."""
+    """The accumulators of one runner (what :func:`register` returns).
+
+    A settled call costs one deque append (its method, outcome, times and compute, tuples
+    the queue made anyway); :meth:`fold` turns those into counts at each scrape, or
+    in the hook once ``FOLD_AT`` of them wait (so memory stays bounded unscraped)."""
+
+    FOLD_AT = 1024
 
     def __init__(self, runner: DistributedRunner, name: str) -> None:
         self.name = name
         self.runner_ref = weakref.ref(runner)
         world_size = runner.world_size
+        self.pending: collections.deque[tuple] = collections.deque()
+        self.folding = threading.Lock()  # one fold at a time (a scrape, or a hook)
         self.calls = {(m, o): 0 for m in METHODS for o in OUTCOMES}
         self.duration = {m: Histogram() for m in METHODS}
         self.overhead = Histogram()
         self.first_item_seconds = Histogram()
         self.deaths = [0] * world_size
-        # Per-rank histograms, filled from settled()'s ``compute``.  A per-rank time that
-        # a later change reports (e.g. reactor_dist_rank_collective_wait_seconds) adds its
-        # list here, a line in settled() and one in families().
+        # Per-rank histograms, filled from settled()'s ``compute`` in fold().  A per-rank
+        # time that a later change reports (reactor_dist_rank_collective_wait_seconds) adds
+        # its list here, a line in fold() and a family in families().
         self.compute = [Histogram() for _ in range(world_size)]
         self.registry: Any = None  # set by register()
 
@@ -93,19 +108,45 @@ class RunnerMetrics(Observer):
     def settled(self, call: Call, outcome: str,
                 times: tuple[float, float, float, float] | None,
                 compute: tuple[float, ...] | None) -> None:
-        self.calls[call.method, outcome] += 1
-        if times is None or compute is None:
-            return
-        wall = times[3] - times[0]
-        self.duration[call.method].observe(wall)
-        self.overhead.observe(wall - max(compute))
-        for hist, seconds in zip(self.compute, compute, strict=False):
-            hist.observe(seconds)
+        pending = self.pending
+        pending.append((call.method, outcome, times, compute))
+        if len(pending) >= self.FOLD_AT:
+            self.fold(blocking=False)  # a scrape folding now takes these too
 
     def died(self, ranks: list[int]) -> None:
         for rank in ranks:
             if 0 <= rank < len(self.deaths):
                 self.deaths[rank] += 1
+
+    def fold(self, blocking: bool = True) -> None:
+        """Count the settled calls not counted yet (in batches: numpy does the buckets)."""
+        if not self.folding.acquire(blocking):
+            return
+        try:
+            pending = self.pending
+            batch = [pending.popleft() for _ in range(len(pending))]
+            calls = self.calls
+            for key, count in collections.Counter((m, o) for m, o, _, _ in batch).items():
+                calls[key] = calls.get(key, 0) + count
+            answered = [(m, t, c) for m, _, t, c in batch if t is not None and c is not None]
+            if not answered:
+                return
+            times = np.array([t for _, t, _ in answered])
+            compute = np.array([c for _, _, c in answered])
+            wall = times[:, 3] - times[:, 0]
+            methods = [m for m, _, _ in answered]
+            kinds = set(methods)
+            if len(kinds) == 1:  # the usual batch: generate() alone
+                self.duration[kinds.pop()].observe_many(wall)
+            else:
+                for method in kinds:
+                    self.duration[method].observe_many(
+                        wall[np.fromiter((m == method for m in methods), bool, len(methods))])
+            self.overhead.observe_many(wall - compute.max(axis=1))
+            for rank, hist in enumerate(self.compute):
+                hist.observe_many(compute[:, rank])
+        finally:
+            self.folding.release()
 
     # -- the scrape ---------------------------------------------------------------------------
     def families(self) -> Iterator[tuple[str, Any]]:
@@ -114,6 +155,7 @@ class RunnerMetrics(Observer):
         if runner is None or runner.closed:
             return
         pc = _prometheus().core
+        self.fold()
         name = self.name
         calls = pc.CounterMetricFamily(
             PREFIX + "calls", "Calls answered or failed, by method and outcome.",
