@@ -144,11 +144,15 @@ class PrometheusServer:
                            f"{self.output()}")
 
 
-def dashboard_panels(path: Path = DASHBOARD) -> list[tuple[str, list[tuple[str, str]]]]:
-    """(panel title, [(query, legend format), ...]) of every panel of the dashboard."""
+def dashboard_panels(rate_interval: str, path: Path = DASHBOARD
+                     ) -> list[tuple[str, list[tuple[str, str]]]]:
+    """(panel title, [(query, legend format), ...]) of every panel of the dashboard, with
+    Grafana's ``$__rate_interval`` replaced by ``rate_interval`` as Grafana would."""
     with open(path) as f:
         board = json.load(f)
-    return [(panel["title"], [(t["expr"], t.get("legendFormat", "")) for t in panel["targets"]])
+    return [(panel["title"],
+             [(t["expr"].replace("$__rate_interval", rate_interval), t.get("legendFormat", ""))
+              for t in panel["targets"]])
             for panel in board["panels"] if panel.get("targets")]
 
 
@@ -158,13 +162,14 @@ def legend(metric: dict[str, str], fmt: str) -> str:
     return fmt or ",".join(f"{k}={v}" for k, v in metric.items())
 
 
-def draw(server: PrometheusServer, start: float, end: float, out: Path) -> None:
+def draw(server: PrometheusServer, start: float, end: float, out: Path,
+         rate_interval: str = "15s") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = dashboard_panels()
+    panels = dashboard_panels(rate_interval)
     cols = 3
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
@@ -183,7 +188,8 @@ def draw(server: PrometheusServer, start: float, end: float, out: Path) -> None:
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.suptitle("reactor_dist dashboard (docs/grafana/reactor_dist.json) over a real "
-                 "Prometheus: world_size 2, CPU", fontsize=11)
+                 "Prometheus: world_size 2, CPU, scraped every 1 s, "
+                 f"$__rate_interval={rate_interval}", fontsize=11)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     plt.close(fig)
@@ -218,7 +224,7 @@ def workload(runner: Any, seconds: float, *, crash_at: float | None = None) -> N
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.metrics_dashboard")
-    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--seconds", type=float, default=90.0)
     parser.add_argument("--out", type=Path, default=PICTURE)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT / "tests"))

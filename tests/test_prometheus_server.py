@@ -87,7 +87,7 @@ def test_a_real_prometheus_scrapes_the_runner_and_answers_every_dashboard_query(
                 assert float(p99[0]["value"][1]) == pytest.approx(
                     histogram_quantile(0.99, buckets), rel=1e-6)
 
-                panels = dashboard_panels()
+                panels = dashboard_panels(rate_interval="30s")
                 assert [title for title, _ in panels] == [
                     "Call rate by outcome", "Step time p50 / p99", "Per-rank compute p50",
                     "Stream first item p50", "Healthy", "Restarts and rank deaths"]
