@@ -123,39 +123,48 @@ class RunnerMetrics(Observer):
         if not self.folding.acquire(blocking):
             return
         try:
-            pending = self.pending
-            batch = [pending.popleft() for _ in range(len(pending))]
-            calls = self.calls
-            for key, count in collections.Counter((m, o) for m, o, _, _ in batch).items():
-                calls[key] = calls.get(key, 0) + count
-            answered = [(m, t, c) for m, _, t, c in batch if t is not None and c is not None]
-            if not answered:
-                return
-            times = np.array([t for _, t, _ in answered])
-            compute = np.array([c for _, _, c in answered])
-            wall = times[:, 3] - times[:, 0]
-            methods = [m for m, _, _ in answered]
-            kinds = set(methods)
-            if len(kinds) == 1:  # the usual batch: generate() alone
-                self.duration[kinds.pop()].observe_many(wall)
-            else:
-                for method in kinds:
-                    self.duration[method].observe_many(
-                        wall[np.fromiter((m == method for m in methods), bool, len(methods))])
-            self.overhead.observe_many(wall - compute.max(axis=1))
-            for rank, hist in enumerate(self.compute):
-                hist.observe_many(compute[:, rank])
+            self._fold()
         finally:
             self.folding.release()
 
+    def _fold(self) -> None:
+        """fold() under self.folding."""
+        pending = self.pending
+        batch = [pending.popleft() for _ in range(len(pending))]
+        calls = self.calls
+        for key, count in collections.Counter((m, o) for m, o, _, _ in batch).items():
+            calls[key] = calls.get(key, 0) + count
+        answered = [(m, t, c) for m, _, t, c in batch if t is not None and c is not None]
+        if not answered:
+            return
+        times = np.array([t for _, t, _ in answered])
+        compute = np.array([c for _, _, c in answered])
+        wall = times[:, 3] - times[:, 0]
+        methods = [m for m, _, _ in answered]
+        kinds = set(methods)
+        if len(kinds) == 1:  # the usual batch: generate() alone
+            self.duration.setdefault(kinds.pop(), Histogram()).observe_many(wall)
+        else:
+            for method in kinds:
+                self.duration.setdefault(method, Histogram()).observe_many(
+                    wall[np.fromiter((m == method for m in methods), bool, len(methods))])
+        self.overhead.observe_many(wall - compute.max(axis=1))
+        for rank, hist in enumerate(self.compute):
+            hist.observe_many(compute[:, rank])
+
     # -- the scrape ---------------------------------------------------------------------------
-    def families(self) -> Iterator[tuple[str, Any]]:
-        """(family name, family) of this runner now; nothing once it was shut down."""
+    def families(self) -> list[tuple[str, Any]]:
+        """(family name, family) of this runner now; none once it was shut down.  Read
+        under the fold lock: a hook that would fold meanwhile leaves it to this scrape."""
         runner = self.runner_ref()
         if runner is None or runner.closed:
-            return
+            return []
+        with self.folding:
+            self._fold()
+            return list(self._families(runner))
+
+    def _families(self, runner: DistributedRunner) -> Iterator[tuple[str, Any]]:
         pc = _prometheus().core
-        self.fold()
         name = self.name
         calls = pc.CounterMetricFamily(
             PREFIX + "calls", "Calls answered or failed, by method and outcome.",
