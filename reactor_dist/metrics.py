@@ -3,10 +3,11 @@ exposition of the registry).  Needs the optional extra ``reactor-dist[metrics]``
 (prometheus-client); ``import reactor_dist`` never imports it.
 
 Why two halves: a call must stay cheap, and a scrape may be slow.  :class:`RunnerMetrics`
-is an :class:`~reactor_dist.observers.Observer` that only adds to plain counters and
-bucket counts (a few list increments per call, under the call queue's lock); the
-scrape (:meth:`RunnerMetrics.families`) builds the metric families from those and from
-the runner's public state (``healthy``, ``calls_in_flight``, ...) at that moment.
+is an :class:`~reactor_dist.observers.Observer` whose ``settled()`` hook only appends
+the call's tuples to a deque (under the call queue's lock); the scrape
+(:meth:`RunnerMetrics.families`) counts them into counters and histogram buckets in one
+numpy batch, and builds the metric families from those and from the runner's public
+state (``healthy``, ``calls_in_flight``, ...) at that moment.
 
 Every runner registered on one registry is exposed by one collector per registry
 (:class:`_RegistryCollector`), so that each family appears once in the exposition with
@@ -242,7 +243,12 @@ class _RegistryCollector:
 
     def collect(self) -> Iterator[Any]:
         merged: dict[str, Any] = {}
-        for metrics in list(self.runners.values()):
+        for name, metrics in list(self.runners.items()):
+            if metrics.runner_ref() is None:  # garbage-collected: nothing to unregister
+                with _lock:
+                    if self.runners.get(name) is metrics:
+                        del self.runners[name]
+                continue
             for family_name, family in metrics.families():
                 if family_name in merged:
                     merged[family_name].samples.extend(family.samples)
@@ -273,8 +279,8 @@ def register(runner: DistributedRunner, registry: Any = None, *,
             collector = _collectors[registry] = _RegistryCollector()
             registry.register(collector)
         held = collector.runners.get(name)
-        if held is not None and held.runner_ref() is not None and \
-                not held.runner_ref().closed:  # type: ignore[union-attr]
+        held_runner = held.runner_ref() if held is not None else None
+        if held_runner is not None and not held_runner.closed:
             raise ValueError(f"a runner named {name!r} is already registered on this "
                              f"registry; pass name= to tell the runners apart")
         collector.runners[name] = metrics
