@@ -13,7 +13,7 @@ RAY_SPEC ?= ray==2.60.0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER = 0
 export RAY_USAGE_STATS_ENABLED = 0
 
-.PHONY: venv test test-slow stress demo bench bench-quick bench-per-call bench-pipelined bench-recovery gpu-check lint clean
+.PHONY: venv test test-slow prometheus metrics-dashboard stress demo bench bench-quick bench-per-call bench-pipelined bench-recovery gpu-check lint clean
 
 venv: $(VENV)/.installed
 
@@ -23,14 +23,26 @@ $(VENV)/.installed: pyproject.toml
 	# A torch already in the environment is kept; else TORCH_SPEC (see above).
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -c "import ray" 2>/dev/null || $(PY) -m pip install -q $(RAY_SPEC)
-	$(PY) -m pip install -q -e ".[dev,ray]"
+	$(PY) -m pip install -q -e ".[dev,ray,metrics]"
 	touch $@
 
 test: venv
 	$(PY) -m pytest -q
 
-test-slow: venv
+test-slow: venv prometheus
 	$(PY) -m pytest -q -m slow
+
+# Debian's Prometheus server, for tests/test_prometheus_server.py (slow), installed when
+# absent (as root, with services kept from starting: the tests run it on 127.0.0.1 alone).
+# Without it that test skips and says why.
+prometheus:
+	@command -v prometheus >/dev/null || { \
+	  if [ ! -e /usr/sbin/policy-rc.d ]; then \
+	    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d \
+	    && trap 'rm -f /usr/sbin/policy-rc.d' EXIT; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends prometheus >/dev/null; } \
+	  || echo "prometheus could not be installed: tests/test_prometheus_server.py will skip"
 
 # Runner lifetimes (start, one call, shutdown) over world_size 2-4, with and without a
 # CPU hog: zero hangs or it fails (issue 19). Not part of `make test`; N=300 for a quick run.
@@ -40,6 +52,10 @@ stress: venv
 
 demo: venv
 	$(PY) examples/demo.py --world-size 2 --device auto
+
+# The Grafana dashboard's queries against a real Prometheus, drawn: docs/metrics_dashboard.png.
+metrics-dashboard: venv prometheus
+	$(PY) -m benchmarks.metrics_dashboard
 
 # A full run also rewrites README.md's Performance section (between its bench markers).
 bench: venv

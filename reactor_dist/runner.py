@@ -132,6 +132,7 @@ class DistributedRunner:
                              "forwards the ranks' output lines (log_to_driver)")
         env = {str(k): str(v) for k, v in (env or {}).items()}
         self._gpus, self._device = gpus, device
+        self._placement = placement
         if where.module == "__main__":
             # Ranks define __main__'s classes as __mp_main__ (like multiprocessing): alias
             # it here so their pickles (results, exceptions) resolve in this process.
@@ -185,6 +186,21 @@ class DistributedRunner:
         """Bytes of shared memory this process holds for the runner now: its input
         pool and the result segments it maps."""
         return self._transport.shared_memory_bytes()
+
+    @property
+    def worker_name(self) -> str:
+        """The worker class, as ``module.QualName`` (metrics name a runner by it)."""
+        return self._worker_name
+
+    @property
+    def placement(self) -> str:
+        """Where the ranks run: "local" or "ray"."""
+        return self._placement
+
+    @property
+    def closed(self) -> bool:
+        """True once shutdown() ran (or start() failed): the runner is done for good."""
+        return self._queue.state == CLOSED
 
     def attach_observer(self, observer: Observer) -> None:
         """Tell ``observer`` (:class:`reactor_dist.observers.Observer`) about every call

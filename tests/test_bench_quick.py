@@ -37,6 +37,10 @@ def test_quick_bench_runs_and_writes_results(tmp_path: Path) -> None:
         [line] = [ln for ln in text.splitlines() if ln.startswith(f"| {case} |")]
         if "first item" in case or "runner.a" in case:
             assert line.rstrip(" |").endswith(("| yes", "| NO")), line
+    # The metrics-cost row (issue 22): registered vs not, its target judged.
+    [line] = [ln for ln in text.splitlines()
+              if ln.startswith("| generate(1), metrics registered vs not |")]
+    assert line.rstrip(" |").endswith(("| yes", "| NO")), line
     # The pipelined-steps rows: with two in flight the goal is judged, the others inform.
     for cw in ("C=40 ms, W=10 ms", "C=20 ms, W=20 ms"):
         for loop in ("generate, then work", "submit ahead, max_in_flight=1",

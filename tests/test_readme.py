@@ -65,3 +65,12 @@ def test_seeing_inside_a_step_example_runs_as_printed(tmp_path):
     assert lines[:2] == ["1 True True", "3 [3, 3]"]
     assert lines[2].split() == ["count", "p50", "ms", "p90", "ms", "p99", "ms"]
     assert [line.split()[0] for line in lines[3:]] == ["rank", "rank", "overhead", "wall"]
+
+
+def test_metrics_example_runs_as_printed(tmp_path):
+    import pytest
+
+    pytest.importorskip("prometheus_client")
+    block = readme_blocks("Metrics and traces")[0]  # the Prometheus one (then the traces')
+    assert run_block(tmp_path, block) == (
+        """['reactor_dist_calls_total{method="generate",outcome="ok",runner="Double"} 3.0']""")
