@@ -32,7 +32,6 @@ from typing import Any
 from . import aio, blocking
 from .call_queue import CLOSED, NEW, READY, UNUSABLE, CallQueue
 from .observers import Observer, tell
-from .output import OUTPUT_MODES
 from .placement import check_ray_options
 from .protocol import Method
 from .restarts import Restarts
@@ -43,6 +42,8 @@ from .timeouts import check_timeout as _check_timeout
 from .timings import CallTimings, Recorder, Stats
 from .transport import Transport
 from .validation import (
+    check_counts,
+    check_devices,
     check_load_kwargs,
     check_methods,
     check_not_rerunning_main,
@@ -104,26 +105,11 @@ class DistributedRunner:
         kwargs = check_load_kwargs(load_kwargs)
         self.call_timeout = _check_timeout("call_timeout", call_timeout)
         self.start_timeout = _check_timeout("start_timeout", start_timeout)
-        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or \
-                max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be an int >= 1 (calls sent to the ranks and "
-                             f"not yet answered; 1: one at a time), got {max_in_flight!r}")
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or \
-                max_restarts < 0:
-            raise ValueError(f"max_restarts must be an int >= 0 (restarts by itself within "
-                             f"restart_window; 0: never), got {max_restarts!r}")
-        restart_window = _check_timeout("restart_window", restart_window)
-        if restart_window is None:
+        check_counts(max_in_flight=max_in_flight, max_restarts=max_restarts)
+        window = _check_timeout("restart_window", restart_window)
+        if window is None:
             raise ValueError("restart_window must be a number of seconds, not None")
-        if rank_output not in OUTPUT_MODES:
-            raise ValueError(f"rank_output must be 'stderr' or 'log', got {rank_output!r}")
-        if device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-        if gpus is not None:
-            gpus = [int(g) for g in gpus]
-            if len(gpus) < world_size:
-                raise ValueError(f"gpus={gpus} names {len(gpus)} GPUs for {world_size} ranks; "
-                                 f"give one GPU per rank")
+        gpus = check_devices(device, gpus, rank_output, world_size)
         ray = check_ray_options(placement, ray_bundle, ray_strategy)
         if ray is not None and (gpus is not None or rank_output == "log"):
             raise ValueError("gpus= and placement='ray' exclude each other: Ray assigns the "
@@ -150,7 +136,7 @@ class DistributedRunner:
         rejoin = callable(getattr(worker_cls, "rejoin", None))
         self._restarts = self._queue.restarts = Restarts(
             self._queue, rejoin=rejoin, grace=check_grace(shutdown_grace),
-            max_restarts=max_restarts, window=restart_window, timeout=self.start_timeout)
+            max_restarts=max_restarts, window=window, timeout=self.start_timeout)
         self._lifecycle = threading.Lock()  # start() and shutdown() take turns
         self._finalizer = weakref.finalize(self, _close, self._transport, self._queue)
 

@@ -14,10 +14,39 @@ import types
 from typing import Any
 
 from .errors import MainGuardMissing
+from .output import OUTPUT_MODES
 from .protocol import WorkerRef
 from .worker import DistributedWorker
 
 REQUIRED_METHODS = ("load", "generate", "reset")
+
+
+def check_counts(**counts: Any) -> None:
+    """``max_in_flight`` (calls sent and not yet answered; 1: one at a time) is an int
+    >= 1, ``max_restarts`` (restarts by itself within restart_window; 0: never) >= 0."""
+    for name, value in counts.items():
+        least = 1 if name == "max_in_flight" else 0
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            what = "calls sent to the ranks and not yet answered; 1: one at a time" \
+                if name == "max_in_flight" else \
+                "restarts by itself within restart_window; 0: never"
+            raise ValueError(f"{name} must be an int >= {least} ({what}), got {value!r}")
+
+
+def check_devices(device: Any, gpus: Any, rank_output: Any,
+                  world_size: int) -> list[int] | None:
+    """The ``device``, ``gpus`` (one per rank) and ``rank_output`` options; the GPU ids."""
+    if rank_output not in OUTPUT_MODES:
+        raise ValueError(f"rank_output must be 'stderr' or 'log', got {rank_output!r}")
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if gpus is None:
+        return None
+    gpus = [int(g) for g in gpus]
+    if len(gpus) < world_size:
+        raise ValueError(f"gpus={gpus} names {len(gpus)} GPUs for {world_size} ranks; "
+                         f"give one GPU per rank")
+    return gpus
 
 
 def check_world_size(world_size: Any) -> int:
