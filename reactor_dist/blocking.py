@@ -26,7 +26,8 @@ def call(queue: CallQueue, method: str, value: Any, timeout: float | None) -> An
                 queue.leave(sent)
                 raise
     finally:
-        queue.settle_futures()
+        if queue.settled:
+            queue.settle_futures()
     return sent.result()
 
 

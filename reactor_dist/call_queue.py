@@ -163,6 +163,8 @@ class CallQueue:
                     future: Future | None = None) -> Call:
         if self.state == RESTARTING:
             self.restarts.wait(method, timeout)  # type: ignore[union-attr]
+        if not self.turns and self.state == READY and len(self.in_flight) < self.max_in_flight:
+            return self.publish(None, method, value, timeout, future)  # nobody waits: at once
         self.check_usable()
         turn = object()
         self.turns.append(turn)
@@ -187,7 +189,7 @@ class CallQueue:
             if first and self.turns:
                 self.receiver.changed_all()
 
-    def publish(self, turn: object, method: str, value: Any, timeout: float | None,
+    def publish(self, turn: object | None, method: str, value: Any, timeout: float | None,
                 future: Future | None) -> Call:
         """Send now (our turn, room in flight); the call is in flight when this returns."""
         self.check_usable()
@@ -207,7 +209,8 @@ class CallQueue:
                 call.deadline = call.queued_until
         self.in_flight.append(call)
         self.by_seq[call.seq] = call
-        self.turns.remove(turn)
+        if turn is not None:
+            self.turns.remove(turn)
         if self.observers:
             self.observers = tell(self.observers, "sent", call)
         if future is None:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .call_queue import CallQueue
 
 WAKE = 0.25  # seconds: the longest one receive or wait lasts before its waiter looks again
+WAKE_MS = timeouts.wait_ms(WAKE)
 DRAIN_MOST = 64  # messages one asyncio poll takes before it lets the loop run
 
 
@@ -115,14 +116,18 @@ class Receiver:
         until = due if give_up is None else give_up if due is None else min(due, give_up)
         path = queue.path
         assert path is not None
-        wait_ms = timeouts.wait_ms(WAKE if until is None else min(until - now, WAKE))
+        wait_ms = WAKE_MS if until is None or until - now >= WAKE else \
+            timeouts.wait_ms(until - now)
         self.receiving = True
         message = None
         try:
-            path.memory.flush()
+            memory = path.memory
+            if memory.hungry is not None or path.results.has_released():
+                memory.flush()
             self.lock.release()
             try:
-                queue.settle_futures()
+                if queue.settled:
+                    queue.settle_futures()
                 message = path.bus.receive(wait_ms)
             finally:
                 self.lock.acquire()
@@ -131,7 +136,8 @@ class Receiver:
                 queue.dispatch(message)
         finally:
             self.receiving = False
-            self.changed_all()
+            if self.waiting or self.wakers or self.collector is not None:
+                self.changed_all()
 
     def drain(self) -> bool:
         """Without waiting: dispatch what has arrived (True if anything did)."""
