@@ -23,6 +23,7 @@ DROP as it comes: a restart's calls that already failed in the runner are skippe
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import weakref
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from .protocol import Bootstrap, Field, Kind, result_tag, segments_of
 log = logging.getLogger("reactor_dist")
 # Who holds a segment of rank 0's result ledger.
 CALLER, WORKER = "caller", "worker"
+POLLIN = int(zmq.POLLIN)
 Message = tuple[dict[str, Any], list]
 
 
@@ -48,6 +50,8 @@ class Inbox:
     def __init__(self, channel: wire.Channel, sub: zmq.Socket,
                  on_memory: Callable[[dict[str, Any]], None]) -> None:
         self.channel, self.sub, self.on_memory = channel, sub, on_memory
+        # ZeroMQ's EVENTS as a plain int (pyzmq's flag enums cost microseconds a test).
+        self.events = functools.partial(super(zmq.Socket, sub).get, zmq.EVENTS)
         self.backlog: collections.deque[Message] = collections.deque()
         self.rejected = 0
         self.stopping = False  # a SHUTDOWN waits in the backlog: nobody will answer us
@@ -69,7 +73,7 @@ class Inbox:
         """Apply the memory commands that have arrived; keep the others for later.
         (ZeroMQ's EVENTS says whether a message is there: cheaper than a poll, which
         builds a Poller each time; this runs before every call.)"""
-        while self.sub.get(zmq.EVENTS) & zmq.POLLIN:
+        while self.events() & POLLIN:
             message = self._read()
             if message is not None and message[0][Field.KIND] not in Kind.MEMORY:
                 self.backlog.append(message)

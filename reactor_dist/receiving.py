@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 WAKE = 0.25  # seconds: the longest one receive or wait lasts before its waiter looks again
 WAKE_MS = timeouts.wait_ms(WAKE)
+POLLIN = int(zmq.POLLIN)  # a plain int: pyzmq's flag enums cost microseconds a test
 DRAIN_MOST = 64  # messages one asyncio poll takes before it lets the loop run
 
 
@@ -149,7 +150,7 @@ class Receiver:
         got = False
         bus = path.bus
         for _ in range(DRAIN_MOST):
-            if not bus.pull_events() & zmq.POLLIN:
+            if not bus.pull_events() & POLLIN:
                 break
             message = bus.receive(0)
             if message is not None:
