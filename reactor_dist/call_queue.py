@@ -196,7 +196,7 @@ class CallQueue:
         assert self.path is not None
         self.receiver.sending = True
         try:
-            call = self.path.send(method, value, timeout)
+            call = self.path.send(method, value, timeout, bool(self.in_flight))
         except (WorkerCrashed, WorkerTimeout) as exc:
             self.broken(exc)
             raise  # keeps its __cause__

@@ -129,7 +129,8 @@ class CallPath:
                                    lambda: self.seq, wait_for)
         self.inputs.reclaim = self.memory.reclaim
 
-    def send(self, method: str, value: Any, timeout: float | None) -> Call:
+    def send(self, method: str, value: Any, timeout: float | None,
+             behind: bool = False) -> Call:
         """Publish one call; raises (having sent nothing) when it can't: TypeError (the
         input does not pickle), SharedSlotAllocationFailed, WorkerCrashed (a rank died
         while idle), WorkerTimeout (no rank took the command)."""
@@ -139,6 +140,8 @@ class CallPath:
             if dead:
                 raise self.transport.crashed(dead, "an idle moment between calls")
         header: dict[str, Any] = {Field.KIND: Kind.CALL, Field.METHOD: method}
+        if behind:  # other calls in flight: a failure may drop this one before it starts
+            header[Field.BEHIND] = True
         body: list = [b""]
         if started - self.last_sent > IDLE_RETURN and self.inputs.idle:
             self.inputs.retire_idle()  # a cache, never a hoard: they ride as RETIRED

@@ -27,7 +27,10 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
                                               GROUP_SECONDS (forming the group's)
     call      ->   generate() / reset()       METHOD, DESCRIPTORS (input buffers),
                                               RELEASED (result segments the caller let
-                                              go), RETIRED (input segments unlinked)
+                                              go), RETIRED (input segments unlinked),
+                                              BEHIND (true: sent while other calls were
+                                              in flight; the rank reads ahead for a DROP
+                                              before it starts it)
     item      <-   rank 0's generate() yielded INDEX (0, 1, ...), DESCRIPTORS (the
                    (a generator worker)       item's buffers), RELEASED, RETIRED
     reply     <-   the method returned/raised STATUS, ERROR, DESCRIPTORS (rank 0's
@@ -140,6 +143,7 @@ class Field:
     ROUND = "rd"
     NBYTES = "nb"
     EPOCH = "ep"
+    BEHIND = "bh"
     RANKS = "rks"
 
 

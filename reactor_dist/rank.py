@@ -156,7 +156,7 @@ class RankServer:
                 self.send(dict(again), list(again_body))
             elif kind == Kind.CALL and header[Field.SEQ] > self.last_seq:
                 self.last_seq = header[Field.SEQ]
-                if self.inbox.skips(header[Field.SEQ]):
+                if header.get(Field.BEHIND) and self.inbox.skips(header[Field.SEQ]):
                     self.memory.skipped(header)
                 else:
                     self.call(header, body)
