@@ -109,6 +109,8 @@ class CallQueue:
         at = at or (self.in_flight[0] if self.in_flight else None)
         self._fail_in_flight(lambda call: exc if call is at else failed_behind(
             exc, call.what, at.what if at is not None else None), note)
+        if note is not None and note not in getattr(exc, "__notes__", ()):
+            exc.add_note(note)  # raised by a call not yet in flight (a death while idle)
 
     def _fail_in_flight(self, error_of: Callable[[Call], BaseException],
                         note: str | None = None) -> None:
