@@ -52,6 +52,7 @@ RESTARTING = "the runner is restarting"
 
 
 def make_runner(world_size: int = 2, worker: type = Reduces, **kw) -> DistributedRunner:
+    worker = kw.pop("worker", worker)
     kw.setdefault("device", "cpu")
     kw.setdefault("call_timeout", 30.0)
     kw.setdefault("start_timeout", 90.0)
@@ -128,7 +129,7 @@ def recovers(runner: DistributedRunner, mode: str, count: int, exc: BaseExceptio
     """After the fault: restart() or the runner's own restart gives a healthy runner that
     answers ``x`` as a fresh one does."""
     ws = runner.world_size
-    if mode == "restart":
+    if mode in ("restart", "rejoin"):
         assert not runner.healthy
         with pytest.raises(RuntimeError, match="unusable"):
             runner.generate(x)
@@ -146,11 +147,16 @@ def recovers(runner: DistributedRunner, mode: str, count: int, exc: BaseExceptio
 MEANS = ("sigkill", "exit", "segv", "hang", "desync")
 WHERE = ("idle", "call", "collective", "stream")
 QUICK = {("sigkill", 1, "restart"), ("segv", 0, "restart"), ("exit", 2, "auto"),
-         ("desync", 0, "auto")}
+         ("desync", 0, "auto"), ("hang", 1, "rejoin")}
+# "auto": max_restarts=1, with a restart_window shorter than any restart, so that each of
+# the four faults of one lifetime finds the budget free (test_a_crash_loop_... checks it).
+MODES = {"restart": dict(max_restarts=0), "rejoin": dict(worker=ReducesAndRejoins),
+         "auto": dict(max_restarts=1, restart_window=0.01)}
 
 
 def _cells():
-    for mode, world_size, ranks in (("restart", 2, (0, 1)), ("auto", 3, (0, 2))):
+    for mode, world_size, ranks in (("restart", 2, (0, 1)), ("auto", 3, (0, 2)),
+                                    ("rejoin", 3, (0, 1))):
         for means in MEANS:
             for rank in ranks:
                 marks = [pytest.mark.timeout(300)]
@@ -162,7 +168,10 @@ def _cells():
 
 @pytest.mark.parametrize("means, rank, mode, world_size", list(_cells()))
 def test_each_fault_then_a_healthy_runner(means, rank, mode, world_size, tmp_path):
-    runner = make_runner(world_size, max_restarts=0 if mode == "restart" else 10)
+    """``rejoin``: restart() of a worker with rejoin(); which survivors keep their process
+    depends on where the fault left them (test_with_rejoin_... checks that), but the
+    failed rank always gets a new one."""
+    runner = make_runner(world_size, **MODES[mode])
     try:
         runner.start()
         assert answer(runner, 0) == fresh(world_size, 0)
@@ -171,12 +180,15 @@ def test_each_fault_then_a_healthy_runner(means, rank, mode, world_size, tmp_pat
             if means == "desync" and where == "idle":
                 continue  # a desync needs a call
             story = f"{means} on rank {rank} at {where}"
+            victim = Probe(runner).rank_pids[rank]
             exc, items = make_fault(runner, means, rank, where, tmp_path)
             assert type(exc) is expected_error(means, where), f"{story}: {exc!r}"
             assert items == [stream_item(world_size, i) for i in range(len(items))], story
             assert len(items) <= 2 < STREAM_ITEMS, story
             count += 1
             recovers(runner, mode, count, exc, x=count)
+            if means != "desync":
+                assert Probe(runner).rank_pids[rank] != victim, story
     finally:
         runner.shutdown()
     assert not runner.healthy
@@ -240,6 +252,22 @@ def test_a_survivor_stuck_in_a_collective_past_the_grace_period_is_replaced(tmp_
         assert lines(tmp_path / "load-0") == [pids[0], after[0][0]]
         assert answer(runner, 2) == fresh(2, 2)
     assert wait_gone(pids + [after[0][0]]) == []
+
+
+def test_with_rejoin_a_stopped_rank_is_replaced_and_the_others_keep_theirs(tmp_path):
+    """A rank that hangs (SIGSTOP: it cannot even answer a signal) does not answer the
+    PING within shutdown_grace: it gets a new process; the idle ones are kept."""
+    runner = make_runner(3, ReducesAndRejoins, load_kwargs={"state_dir": str(tmp_path)})
+    with runner:
+        pids = [pid for pid, _, _ in runner.generate(Pid())]
+        with pytest.raises(WorkerTimeout, match="no answer from rank 1"):
+            runner.generate(FaultAt("hang", 1, "call"), timeout=HANG_TIMEOUT)
+        runner.restart()
+        after = runner.generate(Pid())
+        assert after[0] == (pids[0], 1, 1) and after[2] == (pids[2], 1, 1)
+        assert after[1][0] != pids[1] and after[1][1:] == (1, 0)
+        assert answer(runner, 7) == fresh(3, 7)
+    assert wait_gone(pids + [after[1][0]]) == []
 
 
 def test_without_rejoin_every_rank_is_restarted(tmp_path):
