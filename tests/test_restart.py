@@ -199,14 +199,18 @@ def lines(path) -> list[int]:
     return [int(x) for x in path.read_text().split()] if path.exists() else []
 
 
-@pytest.mark.parametrize("victim", [0, 2])
-def test_with_rejoin_only_the_dead_rank_gets_a_new_process(victim, tmp_path, caplog):
+@pytest.mark.parametrize("victim, noticed", [(0, "in_call"), (2, "in_call"), (1, "at_send")])
+def test_with_rejoin_only_the_dead_rank_gets_a_new_process(victim, noticed, tmp_path, caplog):
+    """``at_send``: the death is over before the next call, which fails as it is sent
+    (the death watch's notice is still unread when restart() begins)."""
     runner = make_runner(3, ReducesAndRejoins, load_kwargs={"state_dir": str(tmp_path)})
     with runner:
         before = runner.generate(Pid())
         assert [(loads, rejoins) for _, loads, rejoins in before] == [(1, 0)] * 3
         pids = [pid for pid, _, _ in before]
         os.kill(pids[victim], signal.SIGKILL)
+        if noticed == "at_send":
+            assert wait_gone([pids[victim]]) == []
         with pytest.raises(WorkerCrashed, match=f"rank {victim}"):
             runner.generate(Sleep(0, value=1))  # no collective: the survivors stay idle
         with caplog.at_level(logging.WARNING, logger="reactor_dist"):
@@ -426,3 +430,37 @@ def test_arestart_from_a_task():
 
     with make_runner(2) as runner:
         assert asyncio.run(main(runner)) == fresh(2, 1)
+
+
+def test_shutdown_while_the_runner_restarts_itself_leaves_nothing():
+    runner = make_runner(2, max_restarts=1)
+    runner.start()
+    pids = Probe(runner).rank_pids
+    try:
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(WorkerCrashed) as info:
+            runner.generate(Sleep(0, value=1))
+        assert any(RESTARTING in n for n in info.value.__notes__)
+    finally:
+        runner.shutdown()  # the restart in the background gives up
+    every = pids + Probe(runner).rank_pids
+    assert wait_gone(every, timeout=5.0) == []
+    with pytest.raises(RuntimeError, match="shut down"):
+        runner.generate(1)
+    with pytest.raises(RuntimeError, match="was shut down"):
+        runner.restart()
+
+
+def test_a_restart_past_its_timeout_then_one_within_it():
+    runner = make_runner(2)
+    with runner:
+        pids = Probe(runner).rank_pids
+        with pytest.raises(WorkerTimeout, match=r"restart\(\)"):
+            runner.restart(timeout=0.01)  # no replacement can even import torch by then
+        ended(runner, pids)
+        with pytest.raises(RuntimeError, match="unusable") as info:
+            runner.generate(1)
+        assert isinstance(info.value.__cause__, WorkerTimeout)
+        runner.restart()
+        assert answer(runner, 1) == fresh(2, 1)
+        assert runner.restarts == 1
