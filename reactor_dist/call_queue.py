@@ -115,6 +115,8 @@ class CallQueue:
             exc, call.what, at.what if at is not None else None), note,
             CRASHED if isinstance(exc, WorkerCrashed) else
             TIMED_OUT if isinstance(exc, WorkerTimeout) else DESYNC)
+        if note is not None and note not in getattr(exc, "__notes__", ()):
+            exc.add_note(note)  # raised by a call not yet in flight (a death while idle)
 
     def fail_in_flight(self, error_of: Callable[[Call], BaseException],
                        note: str | None = None, outcome: str = CANCELLED) -> None:

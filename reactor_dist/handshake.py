@@ -40,7 +40,8 @@ def exchange(transport: Transport, asks: list[Ask], timeout: float,
              partial: bool = False) -> Replies:
     """Until every rank of every ask answered (each rank is in one ask): the answers.
     WorkerTimeout after ``timeout`` seconds (``stated_timeout`` is the one named;
-    ``partial``: the answers so far instead), WorkerCrashed at a death.  ``first_error``:
+    ``partial``: the answers so far instead), WorkerCrashed at a death (``partial``: the
+    dead rank is no longer waited for).  ``first_error``:
     a RAISED answer ends the wait at once (a failed load() makes the rest pointless).
     ``other`` sees every other message.  An ask with an empty command only waits."""
     bus = transport.bus
@@ -76,9 +77,16 @@ def exchange(transport: Transport, asks: list[Ask], timeout: float,
         kind, rank = header[Field.KIND], header[Field.RANK]
         ask = asked.get(rank)
         if kind == Kind.DEATH:
-            if header.get(Field.EPOCH, 0) == transport.epoch:
+            if header.get(Field.EPOCH, 0) != transport.epoch:
+                continue  # a replaced rank's
+            if not partial:
                 raise transport.crashed(transport.ranks.dead() or [rank], what)
-            continue  # a replaced rank's
+            # partial (restart()'s grace PING): the dead simply do not answer, and a
+            # notice of a death before the restart (not yet read) is no failure of it
+            for gone in transport.ranks.dead() or [rank]:
+                if gone not in replies:
+                    asked.pop(gone, None)
+            continue
         if ask is not None and (kind == ask.answer or kind in ask.acks):
             heard.add(rank)
         if ask is not None and kind == ask.answer:

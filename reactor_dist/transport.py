@@ -182,7 +182,8 @@ class Transport:
         old = self.ranks
         assert old is not None
         old.watch.close()
-        end_ranks([old.procs[r] for r in ranks if not old.procs[r].hosted], term_grace=0.2)
+        ended = [old.procs[r] for r in ranks if r < len(old.procs)]  # none after a failed restart
+        end_ranks([p for p in ended if not p.hosted], term_grace=0.2)
         self.ranks = self.new_ranks()
         self.inputs.forget(ranks)
         if 0 in ranks:

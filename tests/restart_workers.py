@@ -1,0 +1,155 @@
+"""Workers for the restart tests (tests/test_restart.py).
+
+``Reduces`` is deterministic and uses the group: ``generate(x)`` with a number all_reduces
+``arange(4) * (rank + 1) + x`` over every rank, so a runner answers the same for the same
+input whatever happened to it, if (and only if) every rank is back in one working group.
+A dict input makes one rank fail at a chosen place (``FaultAt``); ``Arm`` leaves a
+thread behind that fires a fault while the rank is idle.
+
+Each ``load()`` and ``rejoin()`` appends ``<pid>`` to ``<state_dir>/load-<rank>`` or
+``rejoin-<rank>``: the tests count them per process.  With ``load_fault`` set, load()
+fires that fault on the rank it names once the file ``marker`` exists (a fault during
+restart() itself: the test creates the marker after start()).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+
+from sample_workers import Step, inject_fault
+
+from reactor_dist import DistributedWorker
+
+STREAM_ITEMS = 4
+
+
+def record(state_dir: str | None, what: str, rank: int) -> None:
+    if state_dir:
+        with open(os.path.join(state_dir, f"{what}-{rank}"), "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def fire(means: str, rank: int) -> None:
+    """One fault, in this rank, now: SIGKILL, os._exit(3), a real SIGSEGV, a hang
+    (SIGSTOP: the process cannot even answer a signal), or raising (a desync)."""
+    if means == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(3600)  # in case it is continued
+    inject_fault({"phase": "restart-test", "rank": rank,
+                  "means": {"desync": "raise", "sigkill": "sigkill"}.get(means, means)})
+
+
+def reduced(x: float, rank: int) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.arange(4, dtype=torch.float64) * (rank + 1) + x
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+@dataclasses.dataclass
+class FaultAt:
+    """Rank ``rank`` fires ``means`` at ``where``: "call" (the other ranks return without
+    a collective), "collective" (the other ranks wait in an all_reduce for it) or
+    "stream" (after item 1 of a stream of STREAM_ITEMS reduced items)."""
+
+    means: str
+    rank: int
+    where: str
+
+
+@dataclasses.dataclass
+class Arm:
+    """Rank ``rank`` starts a thread that fires ``means`` once ``trigger`` exists: a fault
+    that happens while the rank is idle (in its serve loop)."""
+
+    means: str
+    rank: int
+    trigger: str
+
+
+@dataclasses.dataclass
+class Pid:
+    """Every rank's pid and how many times its worker object ran load() and rejoin()."""
+
+
+class Reduces(DistributedWorker):
+    def load(self, state_dir: str | None = None, load_fault: dict | None = None) -> None:
+        self.state_dir = state_dir
+        self.loads, self.rejoins = 1, 0
+        record(state_dir, "load", self.rank)
+        if load_fault and load_fault["rank"] == self.rank and \
+                os.path.exists(load_fault["marker"]):
+            inject_fault({"phase": "load", "rank": self.rank, "means": load_fault["means"]})
+
+    def generate(self, x, /):
+        if isinstance(x, FaultAt):
+            return self.fault_at(x)
+        if isinstance(x, Arm):
+            if x.rank == self.rank:
+                threading.Thread(target=self.fire_when, args=(x,), daemon=True).start()
+            return "armed"
+        if isinstance(x, Pid):
+            return self.gather((os.getpid(), self.loads, self.rejoins))
+        if isinstance(x, Step):  # sample_workers.Sleep: a call that stays in flight a while
+            return x.run(self)
+        return reduced(x, self.rank)
+
+    def gather(self, mine):
+        import torch.distributed as dist
+
+        every: list = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        return every
+
+    def fault_at(self, spec: FaultAt):
+        if spec.where == "stream":
+            return self.stream_then_fault(spec)
+        if spec.rank == self.rank:
+            fire(spec.means, self.rank)
+        if spec.where == "collective":
+            reduced(0, self.rank)
+        return "done"
+
+    def stream_then_fault(self, spec: FaultAt):
+        for i in range(STREAM_ITEMS):
+            if i == 2 and spec.rank == self.rank:
+                fire(spec.means, self.rank)
+            yield reduced(i, self.rank)
+
+    def fire_when(self, spec: Arm) -> None:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(spec.trigger) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        fire(spec.means, self.rank)
+
+    def reset(self) -> None:
+        pass
+
+
+class ReducesAndRejoins(Reduces):
+    """Reduces, with the rejoin() hook: its survivors keep their process and worker."""
+
+    def rejoin(self) -> None:
+        self.rejoins += 1
+        record(self.state_dir, "rejoin", self.rank)
+
+
+class DiesOnEveryCall(DistributedWorker):
+    """Rank 1 exits (os._exit(3)) in every generate(): a crash loop."""
+
+    def load(self) -> None:
+        pass
+
+    def generate(self, x, /):
+        if self.rank == 1:
+            os._exit(3)
+        return x
+
+    def reset(self) -> None:
+        pass
