@@ -88,9 +88,10 @@ class CallQueue:
             raise RuntimeError(f"this DistributedRunner is restarting after "
                                f"{type(failure).__name__}: wait for it (a call waits by "
                                f"itself)") from failure
-        if state == CLOSED or failure is None:
-            raise RuntimeError("this DistributedRunner is unusable (it was shut down); build "
-                               "and start a new one") from failure
+        if state == CLOSED or failure is None:  # shut down, or start() failed: its error
+            why = f": {type(failure).__name__}: {failure}" if failure is not None else ""
+            raise RuntimeError(f"this DistributedRunner is unusable{why} (it was shut down); "
+                               f"build and start a new one") from failure
         budget = self.restarts.budget_note() if self.restarts is not None else ""
         raise RuntimeError(
             f"this DistributedRunner is unusable: {type(failure).__name__}: {failure}{budget}. "

@@ -565,9 +565,9 @@ def run_launcher_with_group_fault() -> None:
     fault = json.loads(os.environ["REACTOR_TEST_FAULT"])
     form_group = group.Rendezvous.form_group
 
-    def faulty_form_group(self, device, port):
+    def faulty_form_group(self, device, port, epoch=0):
         maybe_fault(fault, "group")
-        return form_group(self, device, port)
+        return form_group(self, device, port, epoch)
 
     group.Rendezvous.form_group = faulty_form_group
     sys.exit(rank.main([]))
