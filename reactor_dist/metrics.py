@@ -96,10 +96,10 @@ class RunnerMetrics(Observer):
         self.overhead = Histogram()
         self.first_item_seconds = Histogram()
         self.deaths = [0] * world_size
-        # Per-rank histograms, filled from settled()'s ``compute`` in fold().  A per-rank
-        # time that a later change reports (reactor_dist_rank_collective_wait_seconds) adds
-        # its list here, a line in fold() and a family in families().
+        # Per-rank histograms, filled in fold() from settled()'s ``compute`` and the call's
+        # collective waits (None without a torch.distributed group: nothing observed).
         self.compute = [Histogram() for _ in range(world_size)]
+        self.collective_wait = [Histogram() for _ in range(world_size)]
         self.registry: Any = None  # set by register()
 
     # -- hooks (under the call queue's lock: add, nothing more) ------------------------------
@@ -110,7 +110,7 @@ class RunnerMetrics(Observer):
                 times: tuple[float, float, float, float] | None,
                 compute: tuple[float, ...] | None) -> None:
         pending = self.pending
-        pending.append((call.method, outcome, times, compute))
+        pending.append((call.method, outcome, times, compute, call.collective_wait))
         if len(pending) >= self.FOLD_AT:
             self.fold(blocking=False)  # a scrape folding now takes these too
 
@@ -133,9 +133,14 @@ class RunnerMetrics(Observer):
         pending = self.pending
         batch = [pending.popleft() for _ in range(len(pending))]
         calls = self.calls
-        for key, count in collections.Counter((m, o) for m, o, _, _ in batch).items():
+        for key, count in collections.Counter((m, o) for m, o, _, _, _ in batch).items():
             calls[key] = calls.get(key, 0) + count
-        answered = [(m, t, c) for m, _, t, c in batch if t is not None and c is not None]
+        waits = [w for _, _, t, c, w in batch if t is not None and c is not None and w]
+        if waits:
+            array = np.array(waits)
+            for rank, hist in enumerate(self.collective_wait):
+                hist.observe_many(array[:, rank])
+        answered = [(m, t, c) for m, _, t, c, _ in batch if t is not None and c is not None]
         if not answered:
             return
         times = np.array([t for _, t, _ in answered])
@@ -186,6 +191,13 @@ class RunnerMetrics(Observer):
         for rank, hist in enumerate(self.compute):
             compute.add_metric([name, str(rank)], *hist.cumulative())
         yield compute.name, compute
+        waits = pc.HistogramMetricFamily(
+            PREFIX + "rank_collective_wait_seconds",
+            "Seconds each rank waited inside torch.distributed collectives during a call "
+            "(the others wait for the straggler there).", labels=["runner", "rank"])
+        for rank, hist in enumerate(self.collective_wait):
+            waits.add_metric([name, str(rank)], *hist.cumulative())
+        yield waits.name, waits
         for family, doc, hist in (
                 ("call_overhead_seconds",
                  "Wall time of a call less the slowest rank's compute: the runner's cost.",

@@ -121,6 +121,7 @@ def test_every_counter_and_histogram_after_a_known_sequence_of_calls():
         "reactor_dist_calls_total",
         *(f"{h}_{part}" for h in ("reactor_dist_call_duration_seconds",
                                   "reactor_dist_rank_compute_seconds",
+                                  "reactor_dist_rank_collective_wait_seconds",
                                   "reactor_dist_call_overhead_seconds",
                                   "reactor_dist_stream_first_item_seconds")
           for part in ("bucket", "count", "sum")),
@@ -201,3 +202,24 @@ def test_serve_binds_loopback_and_exposes_the_default_registry():
             metrics.unregister(handle)
     assert ('reactor_dist_calls_total{method="generate",outcome="ok",runner="served"} 1.0'
             in text.splitlines())
+
+
+def test_each_ranks_collective_wait_is_a_histogram():
+    """The usual straggler: rank 1 sleeps 50 ms before an all_reduce, so rank 0 waits
+    inside it; without a group (the test above) the series has no observation."""
+    from timing_workers import SlowBeforeAllReduce
+
+    registry = CollectorRegistry()
+    with DistributedRunner(SlowBeforeAllReduce, world_size=2, device="cpu",
+                           load_kwargs={"slow": 1, "extra": 0.05}) as r:
+        handle = metrics.register(r, registry, name="s")
+        for _ in range(3):
+            r.generate(0)
+        s = scrape(registry)
+        metrics.unregister(handle)
+    name = "reactor_dist_rank_collective_wait_seconds"
+    for rank in (0, 1):
+        assert of(s, name + "_count", runner="s", rank=rank) == 3
+    # Rank 0 waited about 50 ms a call for rank 1; rank 1 hardly waited.
+    assert of(s, name + "_bucket", runner="s", rank=0, le=repr(0.025)) == 0
+    assert of(s, name + "_bucket", runner="s", rank=1, le=repr(0.025)) == 3
