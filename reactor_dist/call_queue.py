@@ -139,8 +139,9 @@ class CallQueue:
             if self.state == CLOSED:
                 return
             if self.state == READY and self.in_flight and self.path is not None:
-                # The ranks skip the calls that failed here, rather than run them first.
-                self.path.bus.try_publish({Field.KIND: Kind.DROP, Field.SEQ: self.path.seq})
+                # The ranks skip the calls that fail here, rather than run them first
+                # (Transport.close sends the DROP, like SHUTDOWN, within the grace).
+                self.transport.drop_through = self.path.seq
             self.state = CLOSED
             self.fail_in_flight(lambda call: RuntimeError(
                 f"{call.what} was still in flight when the runner was shut down: it has no "

@@ -5,7 +5,8 @@ The caller's side of one restart (the call queue holds every call meanwhile)::
     caller                                                ranks
     DROP (SEQ: the last call sent) ------------------->  each skips calls up to it
     a new epoch: the old death watch ends, its notices are stale
-    who keeps its model (only if the worker defines rejoin()): alive, and answers
+    who keeps its model (only if the worker defines rejoin() and the DROP went out to
+      every rank: a full pipe refuses it to all, XPUB_NODROP): alive, and answers
       a PING within the grace period (a rank stuck in a collective does not)
     end the others; forget what they held (rank 0 ended: its result segments go)
     start a replacement per ended rank (same rank, GPU, Ray bundle)
@@ -53,12 +54,14 @@ def restart(transport: Transport, *, rejoin: bool, grace: float, timeout: float 
     deadline = timeouts.deadline_of(timeout)
     bus, ranks = transport.bus, transport.ranks
     assert bus is not None and ranks is not None
-    bus.try_publish({Field.KIND: Kind.DROP, Field.SEQ: last_seq})  # full pipe: replaced
+    # A rank's full pipe refuses the DROP to every rank (XPUB_NODROP: all or none): then
+    # no rank may keep its model, since a kept rank would run the failed calls first.
+    dropped = bus.try_publish({Field.KIND: Kind.DROP, Field.SEQ: last_seq})
     ranks.watch.close()  # deaths from here on are this restart's business:
     transport.epoch += 1  # the old watch's notices are stale from now on
     alive = [r for r, proc in enumerate(ranks.procs) if proc.alive()]
     kept = responsive(transport, alive, min(grace, max(deadline - began, 0.0)), other) \
-        if rejoin and alive else []
+        if rejoin and alive and dropped else []
     replaced = [r for r in range(transport.world_size) if r not in kept]
     transport.replace(replaced)
     epoch = transport.epoch

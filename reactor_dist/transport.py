@@ -85,6 +85,7 @@ class Transport:
         self.inline_limit = transfer.INLINE_LIMIT  # IN_BAND when a rank is on another node
         self.epoch = 0  # the generation of ranks: +1 per restart (handshake.py, recovery.py)
         self.closing = False  # shutdown() began: a restart in progress gives up
+        self.drop_through = 0  # shutdown() with calls in flight: the ranks skip up to it
         self.master_port = 0  # MASTER_PORT of the ranks (models that form their own group)
         self.devices: list[str] = []  # each rank's device, once started
         self.load_seconds: dict[int, float] = {}  # each rank's last load() (READY)
@@ -357,6 +358,9 @@ class Transport:
                 # cannot be sent then, the ranks are ended without it (SIGTERM, SIGKILL).
                 began = time.monotonic()
                 with contextlib.suppress(zmq.ZMQError, CommandBlocked):
+                    if self.drop_through:  # calls in flight failed: not run before leaving
+                        self.bus.publish({Field.KIND: Kind.DROP, Field.SEQ: self.drop_through},
+                                         deadline=began + self.shutdown_grace)
                     self.bus.publish({Field.KIND: Kind.SHUTDOWN, Field.SEQ: 0},
                                      deadline=began + self.shutdown_grace)
                     grace = max(self.shutdown_grace - (time.monotonic() - began), 0.0)
