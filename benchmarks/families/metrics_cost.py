@@ -14,7 +14,7 @@ from collections.abc import Callable
 from benchmarks.config import Settings
 from benchmarks.families.overhead import INPUT
 from benchmarks.implementations.pools import EchoRunner
-from benchmarks.report.results import Results, Row
+from benchmarks.report.results import Results, Row, extra_row
 from benchmarks.report.stats import alternate_blocks, record_calls, summarize
 
 WORLD_SIZE = 2
@@ -57,12 +57,6 @@ def measure(settings: Settings, results: Results) -> None:
 def rows(results: Results, settings: Settings) -> list[Row]:
     cfg = f"ws{WORLD_SIZE}"
     on, off = results.get(METRIC, cfg, ON), results.get(METRIC, cfg, OFF)
-    row = Row(section=f"Prometheus metrics (echo worker, world_size {WORLD_SIZE})",
-              case="generate(1), metrics registered vs not", unit="us", ours=on,
-              floor=off, floor_label="the same runner, not registered (timings on in both)",
-              target="≤ +2 µs")
-    if on is not None and off is not None:
-        extra = on.median - off.median
-        row.target = f"≤ +2 µs ({extra * 1e6:+.1f} µs)"
-        row.met = extra <= TARGET_S
-    return [row]
+    return [extra_row(f"Prometheus metrics (echo worker, world_size {WORLD_SIZE})",
+                      "generate(1), metrics registered vs not", on, off,
+                      "the same runner, not registered (timings on in both)", TARGET_S)]

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from benchmarks.config import Settings
 from benchmarks.families.overhead import INPUT
 from benchmarks.implementations.pools import EchoRunner
-from benchmarks.report.results import Results, Row
+from benchmarks.report.results import Results, Row, extra_row
 from benchmarks.report.stats import alternate_blocks, record_calls, summarize
 from benchmarks.timing_cost import AllReduceOnce
 
@@ -75,21 +75,9 @@ def measure_collective_waits(s: Settings, results: Results) -> None:
 def rows(results: Results, settings: Settings) -> list[Row]:
     cfg = f"ws{WORLD_SIZE}"
     on, off = results.get(METRIC, cfg, ON), results.get(METRIC, cfg, OFF)
-    row = Row(section=f"Per-call timings (echo worker, world_size {WORLD_SIZE})",
-              case="generate(1) with runner.last_timings and stats()", unit="us", ours=on,
-              floor=off, floor_label="the same runner with record_timings=False",
-              target="≤ +5 µs")
-    if on is not None and off is not None:
-        extra = on.median - off.median
-        row.target = f"≤ +5 µs ({extra * 1e6:+.1f} µs)"
-        row.met = extra <= TARGET_S
+    section = f"Per-call timings (echo worker, world_size {WORLD_SIZE})"
     timed, untimed = results.get(METRIC, cfg, TIMED), results.get(METRIC, cfg, UNTIMED)
-    waits = Row(section=f"Per-call timings (echo worker, world_size {WORLD_SIZE})",
-                case="generate() with one all_reduce, its collective wait measured",
-                unit="us", ours=timed, floor=untimed,
-                floor_label="the same all_reduce, not timed", target="≤ +2 µs")
-    if timed is not None and untimed is not None:
-        extra = timed.median - untimed.median
-        waits.target = f"≤ +2 µs ({extra * 1e6:+.1f} µs)"
-        waits.met = extra <= WAITS_TARGET_S
-    return [row, waits]
+    return [extra_row(section, "generate(1) with runner.last_timings and stats()", on, off,
+                      "the same runner with record_timings=False", TARGET_S),
+            extra_row(section, "generate() with one all_reduce, its collective wait measured",
+                      timed, untimed, "the same all_reduce, not timed", WAITS_TARGET_S)]

@@ -62,3 +62,17 @@ class Row:
         if self.ours is None or b is None or self.ours.median <= 0:
             return None
         return b.median / self.ours.median
+
+
+def extra_row(section: str, case: str, ours: Stats | None, without: Stats | None,
+              floor_label: str, target_s: float) -> Row:
+    """A row for what one feature adds per call: ``ours`` against the same runner
+    ``without`` it, judged against ``target_s`` seconds more (the median difference)."""
+    goal = f"≤ +{target_s * 1e6:g} µs"
+    row = Row(section=section, case=case, unit="us", ours=ours, floor=without,
+              floor_label=floor_label, target=goal)
+    if ours is not None and without is not None:
+        extra = ours.median - without.median
+        row.target = f"{goal} ({extra * 1e6:+.1f} µs)"
+        row.met = extra <= target_s
+    return row
