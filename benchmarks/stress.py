@@ -6,7 +6,7 @@ ended at the end).  A hang is a WorkerTimeout on start or on the call: any hang 
 other failure) makes the exit status non-zero.
 
 Prints one row per configuration: lifetimes, hangs, other failures, start() p50/p90 and
-the PINGs the runner published per start (``Transport.pings_sent``; issue 19: before
+the PINGs the runner published per start (``Supervisor.pings_sent``; issue 19: before
 pacing, every message that arrived published another one, thousands per start).
 ``--world-sizes``, ``--group`` and ``--hog`` narrow the run (e.g. for a before/after
 comparison at one configuration).  Not part of ``make test``.
@@ -66,7 +66,7 @@ def lifetime(world_size: int, group: bool, start_timeout: float, tally: Tally) -
         began = time.monotonic()
         runner.start()
         tally.starts.append(time.monotonic() - began)
-        pings = getattr(runner._transport, "pings_sent", None)
+        pings = getattr(runner._supervisor, "pings_sent", None)
         if isinstance(pings, int):
             tally.pings.append(pings)
         if runner.generate(world_size) != world_size:

@@ -16,7 +16,7 @@ from .errors import (
     ReactorDistError,
     RemoteError,
     RemoteTraceback,
-    SharedSlotAllocationFailed,
+    SharedMemoryExhausted,
     WorkerCrashed,
     WorkerTimeout,
 )
@@ -34,9 +34,16 @@ __all__ = [
     "ReactorDistError",
     "RemoteError",
     "RemoteTraceback",
-    "SharedSlotAllocationFailed",
+    "SharedMemoryExhausted",
     "WorkerCrashed",
     "WorkerTimeout",
     "share_cpu_cores",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> type:
+    """Deprecated names (``SharedSlotAllocationFailed``) still work, with a warning."""
+    from .errors import deprecated_name
+
+    return deprecated_name(__name__, name)

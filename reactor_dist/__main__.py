@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = {"doctor": "check this machine, then run a small group (reactor_dist.doctor)"}
+COMMANDS = {"doctor": "check this machine, then a smoke run of its ranks (reactor_dist.doctor)"}
 
 
 def main(argv: list[str] | None = None) -> int:

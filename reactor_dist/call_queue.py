@@ -43,22 +43,22 @@ from .outcome import judge
 from .protocol import Field, Kind
 from .receiving import Receiver
 from .restarts import RESTARTING, Restarts
+from .supervisor import Supervisor
 from .timings import Recorder
-from .transport import Transport
 
-NEW, READY, UNUSABLE, CLOSED = "new", "ready", "unusable", "closed"
+NEW, HEALTHY, UNUSABLE, CLOSED = "new", "healthy", "unusable", "closed"
 
 
 class CallQueue:
     """Calls in send order, at most ``max_in_flight`` of them sent and not answered."""
 
-    NEW, READY, UNUSABLE, CLOSED = NEW, READY, UNUSABLE, CLOSED  # for restarts.py
+    NEW, HEALTHY, UNUSABLE, CLOSED = NEW, HEALTHY, UNUSABLE, CLOSED  # for restarts.py
 
-    def __init__(self, transport: Transport, max_in_flight: int, timings: Recorder) -> None:
+    def __init__(self, supervisor: Supervisor, max_in_flight: int, timings: Recorder) -> None:
         self.receiver = Receiver(self)
         self.lock = self.receiver.lock
-        self.transport, self.max_in_flight, self.timings = transport, max_in_flight, timings
-        self.world_size = transport.world_size
+        self.supervisor, self.max_in_flight, self.timings = supervisor, max_in_flight, timings
+        self.world_size = supervisor.world_size
         self.path: CallPath | None = None
         self.state = NEW
         self.failure: BaseException | None = None
@@ -74,14 +74,14 @@ class CallQueue:
     def open(self) -> None:
         """start() succeeded: calls may go."""
         with self.lock:
-            self.path = CallPath(self.transport, self.wait_while_sending, self.busy)
-            self.transport.start_releaser(self.path.memory.pass_on_releases,
+            self.path = CallPath(self.supervisor, self.wait_while_sending, self.busy)
+            self.supervisor.start_releaser(self.path.memory.pass_on_releases,
                                           lambda: self.path.last_sent)  # type: ignore[union-attr]
-            self.state = READY
+            self.state = HEALTHY
 
     def check_usable(self) -> None:
         state = self.state
-        if state == READY:
+        if state == HEALTHY:
             return
         if state == NEW:
             raise RuntimeError("start() has not run: call runner.start() (or use `with runner:`)")
@@ -102,7 +102,7 @@ class CallQueue:
     def broken(self, exc: BaseException, at: Call | None = None) -> None:
         """The runner is unusable from now on: ``at`` (default: the call the ranks run)
         fails with ``exc``, every other call in flight with the same type of error."""
-        if self.state != READY:
+        if self.state != HEALTHY:
             return
         self.state, self.failure = UNUSABLE, exc
         note = self.restarts.after_failure(exc) if self.restarts is not None else None
@@ -110,7 +110,7 @@ class CallQueue:
             self.state = RESTARTING
         at = at or (self.in_flight[0] if self.in_flight else None)
         if isinstance(exc, WorkerCrashed) and self.observers:
-            self.observers = tell(self.observers, "died", self.transport.dead())
+            self.observers = tell(self.observers, "died", self.supervisor.dead())
         self.fail_in_flight(lambda call: exc if call is at else failed_behind(
             exc, call.what, at.what if at is not None else None), note,
             CRASHED if isinstance(exc, WorkerCrashed) else
@@ -138,10 +138,10 @@ class CallQueue:
         with self.lock:
             if self.state == CLOSED:
                 return
-            if self.state == READY and self.in_flight and self.path is not None:
+            if self.state == HEALTHY and self.in_flight and self.path is not None:
                 # The ranks skip the calls that fail here, rather than run them first
-                # (Transport.close sends the DROP, like SHUTDOWN, within the grace).
-                self.transport.drop_through = self.path.seq
+                # (Supervisor.close sends the DROP, like SHUTDOWN, within the grace).
+                self.supervisor.drop_through = self.path.seq
             self.state = CLOSED
             self.fail_in_flight(lambda call: RuntimeError(
                 f"{call.what} was still in flight when the runner was shut down: it has no "
@@ -166,7 +166,7 @@ class CallQueue:
                     future: Future | None = None) -> Call:
         if self.state == RESTARTING:
             self.restarts.wait(method, timeout)  # type: ignore[union-attr]
-        if not self.turns and self.state == READY and len(self.in_flight) < self.max_in_flight:
+        if not self.turns and self.state == HEALTHY and len(self.in_flight) < self.max_in_flight:
             return self.publish(None, method, value, timeout, future)  # nobody waits: at once
         self.check_usable()
         turn = object()
@@ -182,7 +182,7 @@ class CallQueue:
 
     def my_turn(self, turn: object) -> bool:
         """This caller may send now (or must look why not: the runner broke)."""
-        return self.state != READY or (
+        return self.state != HEALTHY or (
             self.turns[0] is turn and len(self.in_flight) < self.max_in_flight)
 
     def leave_turn(self, turn: object) -> None:
@@ -238,7 +238,7 @@ class CallQueue:
         if not self.in_flight:
             return None
         last = self.in_flight[-1]
-        return lambda: last.done or self.state != READY
+        return lambda: last.done or self.state != HEALTHY
 
     def busy(self) -> list[int]:
         """The ranks that have not answered the call they run."""
@@ -250,8 +250,8 @@ class CallQueue:
     def wait_while_sending(self, done: Callable[[], bool], deadline: float | None) -> None:
         """A RECLAIM round in the middle of a send: receive until ``done()`` or the deadline;
         the failure if the runner breaks meanwhile (a rank died)."""
-        self.receiver.pump(lambda: done() or self.state != READY, deadline)
-        if self.state != READY and self.failure is not None:
+        self.receiver.pump(lambda: done() or self.state != HEALTHY, deadline)
+        if self.state != HEALTHY and self.failure is not None:
             raise self.failure
 
     # -- leaving ----------------------------------------------------------------------------
@@ -312,10 +312,10 @@ class CallQueue:
                 in_flight = self.in_flight
                 while in_flight and len(in_flight[0].replies) == self.world_size:
                     self.answered(in_flight.popleft())
-        elif kind == Kind.DEATH and header.get(Field.EPOCH, 0) == self.transport.epoch:
-            dead = self.transport.dead() or [header[Field.RANK]]
+        elif kind == Kind.DEATH and header.get(Field.EPOCH, 0) == self.supervisor.epoch:
+            dead = self.supervisor.dead() or [header[Field.RANK]]
             what = self.in_flight[0].what if self.in_flight else "an idle moment between calls"
-            self.broken(self.transport.crashed(dead, what))
+            self.broken(self.supervisor.crashed(dead, what))
 
     def answered(self, call: Call) -> None:
         """Every rank answered ``call``: judge it; the next call starts its clock."""

@@ -14,7 +14,7 @@ calls, their waits and the broken state: :mod:`reactor_dist.call_queue`)::
 
 :class:`Call` is the record of one call in flight; :class:`CallPath` holds the bus,
 the ranks and both ledgers (by composition: they belong to
-:class:`reactor_dist.transport.Transport`) and judges nothing.
+:class:`reactor_dist.supervisor.Supervisor`) and judges nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from .protocol import ErrorRecord, Field, Kind, Method, Status, segments_of
 from .reclaim import MemoryReturn
 
 if TYPE_CHECKING:
-    from .transport import Transport
+    from .supervisor import Supervisor
 
 Replies = dict[int, tuple[dict, list]]
 
@@ -109,19 +109,19 @@ def collective_wait_seconds(call: Call, world_size: int) -> tuple[float, ...] | 
 
 
 class CallPath:
-    """Sending calls and taking their messages, over the transport's bus, ranks and
+    """Sending calls and taking their messages, over the supervisor's bus, ranks and
     ledgers; from the call queue, ``wait_for`` lets a RECLAIM round receive mid-send and
     ``busy`` names the ranks still running an earlier call."""
 
-    def __init__(self, transport: Transport,
+    def __init__(self, supervisor: Supervisor,
                  wait_for: Callable[[Callable[[], bool], float | None], None],
                  busy: Callable[[], list[int]]) -> None:
-        assert transport.bus is not None and transport.ranks is not None
-        self.transport = transport
-        self.world_size = transport.world_size
-        self.bus, self.ranks = transport.bus, transport.ranks
-        self.inputs, self.results = transport.inputs, transport.results
-        self.inline_limit = transport.inline_limit
+        assert supervisor.bus is not None and supervisor.ranks is not None
+        self.supervisor = supervisor
+        self.world_size = supervisor.world_size
+        self.bus, self.ranks = supervisor.bus, supervisor.ranks
+        self.inputs, self.results = supervisor.inputs, supervisor.results
+        self.inline_limit = supervisor.inline_limit
         self.busy = busy  # the ranks still running an earlier call
         self.seq = 0
         self.last_sent = 0.0  # perf_counter when the last call was sent (releaser.py)
@@ -132,13 +132,13 @@ class CallPath:
     def send(self, method: str, value: Any, timeout: float | None,
              behind: bool = False) -> Call:
         """Publish one call; raises (having sent nothing) when it can't: TypeError (the
-        input does not pickle), SharedSlotAllocationFailed, WorkerCrashed (a rank died
+        input does not pickle), SharedMemoryExhausted, WorkerCrashed (a rank died
         while idle), WorkerTimeout (no rank took the command)."""
         started = time.perf_counter()
         if self.ranks.watch.fired:
             dead = self.ranks.dead()
             if dead:
-                raise self.transport.crashed(dead, "an idle moment between calls")
+                raise self.supervisor.crashed(dead, "an idle moment between calls")
         header: dict[str, Any] = {Field.KIND: Kind.CALL, Field.METHOD: method}
         if behind:  # other calls in flight: a failure may drop this one before it starts
             header[Field.BEHIND] = True
@@ -153,7 +153,7 @@ class CallPath:
                 descriptors, body, _ = transfer.encode(
                     value, self.inputs, "the input of generate()", holders=range(self.world_size),
                     inline_limit=self.inline_limit)
-            except (shm.SharedSlotAllocationFailed, WorkerCrashed, WorkerTimeout):
+            except (shm.SharedMemoryExhausted, WorkerCrashed, WorkerTimeout):
                 raise  # (a rank that died during a reclaim round)
             except Exception as exc:
                 raise TypeError(
@@ -179,7 +179,7 @@ class CallPath:
             self.bus.publish(header, body, None if timeout is None else
                              time.monotonic() + timeout)
         except CommandBlocked:
-            raise self.transport.not_taken(timeout, f"{method}()'s command",
+            raise self.supervisor.not_taken(timeout, f"{method}()'s command",
                                            self.busy()) from None
         return Call(seq, method, timeout, started, time.perf_counter())
 

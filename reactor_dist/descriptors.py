@@ -3,7 +3,7 @@ ranks?
 
 Running out inside libzmq raises nothing: its I/O thread aborts the whole process
 (``Too many open files (src/ipc_listener.cpp:297)``) when it cannot accept a rank's
-connection.  So :meth:`Transport.start <reactor_dist.transport.Transport.start>`
+connection.  So :meth:`Supervisor.start <reactor_dist.supervisor.Supervisor.start>`
 checks first, before anything starts, and raises
 :class:`~reactor_dist.errors.FileLimitTooLow` with the numbers and the fix.
 

@@ -187,7 +187,7 @@ def smoke(world_size: int, device: str, frame_bytes: int) -> Check:
     except Exception as exc:
         return Check("smoke run", False, f"{type(exc).__name__}: {str(exc)[:300]}",
                      "fix the checks above first; the error names the failing rank")
-    steps = "group, all_reduce and a" if world_size > 1 else "no group (one rank), a"
+    steps = "torch group, all_reduce and a" if world_size > 1 else "no torch group (one rank), a"
     return Check("smoke run", True,
                  f"{world_size} rank{'s' if world_size > 1 else ''} on {device}: {steps} "
                  f"{frame_bytes / MiB:g} MiB frame back in {time.monotonic() - began:.1f} s")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import pickle
 import traceback
+import warnings
 
 from .protocol import ErrorRecord
 
@@ -24,7 +25,8 @@ class ReactorDistError(Exception):
 
 
 class WorkerCrashed(ReactorDistError, RuntimeError):
-    """A rank process died (exit, signal, OOM kill). The runner is unusable."""
+    """A rank died (its process exited, or a signal or the OOM killer ended it), and its
+    worker with it. The runner is unusable."""
 
 
 class WorkerTimeout(ReactorDistError, TimeoutError):
@@ -50,8 +52,28 @@ class CallQueueFull(ReactorDistError, TimeoutError):
     in flight.  Nothing was sent and the ranks are fine: the runner stays healthy."""
 
 
-class SharedSlotAllocationFailed(ReactorDistError, MemoryError):
-    """/dev/shm cannot hold a payload. Nothing was sent; the runner stays healthy."""
+class SharedMemoryExhausted(ReactorDistError, MemoryError):
+    """/dev/shm cannot hold a segment for a payload. Nothing was sent; the runner stays
+    healthy.  (Formerly ``SharedSlotAllocationFailed``, still importable as a deprecated
+    alias.)"""
+
+
+_DEPRECATED = {"SharedSlotAllocationFailed": "SharedMemoryExhausted"}
+
+
+def deprecated_name(module: str, name: str) -> type:
+    """The class a deprecated name stands for, with a DeprecationWarning that names the
+    new one (``module.__getattr__`` of this module and of the package)."""
+    if name not in _DEPRECATED:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    new = _DEPRECATED[name]
+    warnings.warn(f"{name} is deprecated: use {new} (the same class)", DeprecationWarning,
+                  stacklevel=3)
+    return globals()[new]
+
+
+def __getattr__(name: str) -> type:
+    return deprecated_name(__name__, name)
 
 
 class MainGuardMissing(ReactorDistError, RuntimeError):

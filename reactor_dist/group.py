@@ -1,5 +1,5 @@
-"""Where a rank meets its torch.distributed group (gloo on CPU; on CUDA gloo for CPU
-tensors and nccl for CUDA tensors).
+"""Where a rank meets its torch group: torch.distributed with gloo on CPU; on CUDA, gloo
+for CPU tensors and nccl for CUDA tensors.
 
 On one machine the store is a file in the runner's private 0700 directory: only the
 runner's user can reach it.  Across machines (ranks placed by Ray) it is rank 0's
@@ -20,7 +20,7 @@ collectives (the README Quickstart's all_gather of CPU tensors) would raise "No 
 type associated with device type cpu".  A CUDA rank's group therefore has a backend per
 device (:data:`CUDA_BACKENDS`), and is bound to the rank's GPU (``device_id=``): NCCL
 then forms its communicator inside ``init_process_group``, during ``start()`` and under
-``start_timeout`` (and "rank group formed in X s" measures it), not lazily at the first
+``start_timeout`` (and "torch group formed in X s" measures it), not lazily at the first
 collective inside ``load()`` or a call.
 """
 

@@ -18,7 +18,7 @@ from . import timeouts
 from .protocol import Field, Kind, Status
 
 if TYPE_CHECKING:
-    from .transport import Replies, Transport
+    from .supervisor import Replies, Supervisor
 
 PING_EVERY = 0.02  # seconds between two sends of a command not yet answered
 LOOK_EVERY = 0.1  # seconds: the longest receive, so that a shutdown is seen
@@ -34,7 +34,7 @@ class Ask(NamedTuple):
     acks: frozenset[str] = frozenset()
 
 
-def exchange(transport: Transport, asks: list[Ask], timeout: float,
+def exchange(supervisor: Supervisor, asks: list[Ask], timeout: float,
              stated_timeout: float | None, what: str, first_error: bool = False,
              other: Callable[[dict[str, Any]], None] = lambda header: None,
              partial: bool = False) -> Replies:
@@ -44,22 +44,22 @@ def exchange(transport: Transport, asks: list[Ask], timeout: float,
     dead rank is no longer waited for).  ``first_error``:
     a RAISED answer ends the wait at once (a failed load() makes the rest pointless).
     ``other`` sees every other message.  An ask with an empty command only waits."""
-    bus = transport.bus
-    assert bus is not None and transport.ranks is not None
+    bus = supervisor.bus
+    assert bus is not None and supervisor.ranks is not None
     asked = {rank: ask for ask in asks for rank in ask.ranks}
     replies: Replies = {}
     heard: set[int] = set()  # ranks that have their command
     deadline = time.monotonic() + timeout
     beat = time.monotonic()  # when the commands are next due
     while len(replies) < len(asked):
-        if transport.closing:
+        if supervisor.closing:
             raise RuntimeError(f"the runner was shut down during {what}")
         now = time.monotonic()
         sending = len(heard) < len(asked)
         if sending and now >= beat:
             for ask in asks:
                 if ask.command and not ask.ranks <= heard:
-                    transport.publish_start_command(dict(ask.command))
+                    supervisor.publish_start_command(dict(ask.command))
             beat += PING_EVERY
             if beat <= now:  # fell behind (a slow receive): no burst to catch up
                 beat = now + PING_EVERY
@@ -68,7 +68,7 @@ def exchange(transport: Transport, asks: list[Ask], timeout: float,
             if partial:
                 return replies
             silent = sorted(r for r in asked if r not in replies)
-            raise transport.timed_out(silent, stated_timeout, what, replies)
+            raise supervisor.timed_out(silent, stated_timeout, what, replies)
         wait = min(left, beat - now) if sending else min(left, LOOK_EVERY)
         message = bus.receive(timeouts.wait_ms(max(wait, 0.0)))
         if message is None:
@@ -77,13 +77,13 @@ def exchange(transport: Transport, asks: list[Ask], timeout: float,
         kind, rank = header[Field.KIND], header[Field.RANK]
         ask = asked.get(rank)
         if kind == Kind.DEATH:
-            if header.get(Field.EPOCH, 0) != transport.epoch:
+            if header.get(Field.EPOCH, 0) != supervisor.epoch:
                 continue  # a replaced rank's
             if not partial:
-                raise transport.crashed(transport.ranks.dead() or [rank], what)
+                raise supervisor.crashed(supervisor.ranks.dead() or [rank], what)
             # partial (restart()'s grace PING): the dead simply do not answer, and a
             # notice of a death before the restart (not yet read) is no failure of it
-            for gone in transport.ranks.dead() or [rank]:
+            for gone in supervisor.ranks.dead() or [rank]:
                 if gone not in replies:
                     asked.pop(gone, None)
             continue
@@ -95,8 +95,8 @@ def exchange(transport: Transport, asks: list[Ask], timeout: float,
                 if first_error and header.get(Field.STATUS) == Status.RAISED:
                     return {rank: message}
         elif kind == Kind.PROGRESS:
-            if transport.display is not None:
-                transport.display.update(header)
+            if supervisor.display is not None:
+                supervisor.display.update(header)
         else:
             other(header)
     return replies

@@ -15,7 +15,7 @@ bootstrap on stdin, output pump, pidfd death watch) and answers the runner::
 
 Why a host process rather than the rank being the actor: the rank keeps one code
 path wherever it runs (its signals, its process group, its stdin bootstrap, its
-faulthandler), Ray's worker threads and its own signal handling stay out of the
+faulthandler), Ray's own threads and signal handling stay out of the
 model's process, and killing a rank's whole group is ours to do, not Ray's.
 
 Two watches end a rank whose runner is gone: the rank watches this host's pid (as a

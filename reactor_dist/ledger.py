@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .shm import GRANULE, Segment, SharedSlotAllocationFailed, capacity
+from .shm import GRANULE, Segment, SharedMemoryExhausted, capacity
 
 NAME_TRIES = 8  # names taken by somebody else before we give up
 
@@ -73,7 +73,7 @@ class Ledger:
 
     def acquire(self, nbytes: int, what: str, holders: Iterable[Hashable]) -> Segment:
         """An idle segment of at least ``nbytes`` (smallest fit) or a new one, held by
-        ``holders``; SharedSlotAllocationFailed when /dev/shm cannot hold it."""
+        ``holders``; SharedMemoryExhausted when /dev/shm cannot hold it."""
         self._apply_releases()
         name = self._take_idle(nbytes)
         if name is None:
@@ -90,7 +90,7 @@ class Ledger:
         size = max(GRANULE, (nbytes + GRANULE - 1) // GRANULE * GRANULE)
         try:
             seg = self._create(size, what)
-        except SharedSlotAllocationFailed:
+        except SharedMemoryExhausted:
             if not self.idle and self.reclaim is None:
                 raise
             self._retire(keep=0)
@@ -145,7 +145,7 @@ class Ledger:
                 return Segment.create(self.directory, name, size, what)
             except FileExistsError:
                 continue
-        raise SharedSlotAllocationFailed(
+        raise SharedMemoryExhausted(
             f"cannot allocate shared memory for {what}: {NAME_TRIES} fresh names in "
             f"{self.directory} were all taken already")
 

@@ -14,8 +14,8 @@ ranks raised different exception types                 RankDesync naming each ty
 =====================================================  ==============================  ==========
 
 An undeliverable result on rank 0 beside other ranks' exceptions is judged as
-one more exception.  Crashes and timeouts never get here: the transport raises
-them while it waits (:mod:`reactor_dist.transport`).
+one more exception.  Crashes and timeouts never get here: the supervisor raises
+them while it waits (:mod:`reactor_dist.supervisor`).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from .protocol import Field, Kind
 
 log = logging.getLogger("reactor_dist")
 
-IMPORTING, FORMING, LOADING = "importing", "forming the group", "loading"
+IMPORTING, FORMING, LOADING = "importing", "forming the torch group", "loading"
 REPORT_EVERY = 0.05  # a rank's worker reports at most this often (seconds)
 LOG_EVERY = 1.0      # the log display: a rank's worker progress at most this often
 

@@ -12,7 +12,7 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
                    rank ponged
     pong      <-   answer to each ping        PID (the rank's own pid), PORT (rank 0's
                                               rendezvous store, else 0)
-    progress  <-   a phase of start() begins  PHASE ("importing", "forming the group",
+    progress  <-   a phase of start() begins  PHASE ("importing", "forming the torch group",
                    (import, group, load), or  "loading"); for load()'s own reports DONE,
                    load() reported progress   TOTAL (numbers; TOTAL may be absent), UNIT
     init      ->   once every rank ponged;    PORT (rank 0's store port), EPOCH (the
@@ -272,11 +272,11 @@ class Bootstrap:
         size = int.from_bytes(stream.read(8), "little")
         data = stream.read(size)
         if size == 0 or len(data) != size:
-            raise SystemExit("reactor-dist-worker: no bootstrap on stdin (it is started by "
+            raise SystemExit("reactor-dist-rank: no bootstrap on stdin (it is started by "
                              "DistributedRunner, not by hand)")
         boot = pickle.loads(data)
         if not isinstance(boot, cls):
-            raise SystemExit(f"reactor-dist-worker: stdin holds a {type(boot).__name__}, "
+            raise SystemExit(f"reactor-dist-rank: stdin holds a {type(boot).__name__}, "
                              f"not a bootstrap")
         return boot
 

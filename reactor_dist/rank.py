@@ -1,4 +1,4 @@
-"""A rank's process: ``reactor-dist-worker`` (also ``python -m reactor_dist.rank``).
+"""A rank's process: ``reactor-dist-rank`` (also ``python -m reactor_dist.rank``).
 
 Life of a rank (messages in :mod:`reactor_dist.protocol`)::
 
@@ -40,7 +40,7 @@ import zmq
 
 from . import collective_wait, shm, transfer, wire
 from .device import choose_device, wait_for_device
-from .errors import SharedSlotAllocationFailed, describe, pickle_exception
+from .errors import SharedMemoryExhausted, describe, pickle_exception
 from .group import Rendezvous
 from .progress import FORMING, IMPORTING, LOADING, Reporter
 from .protocol import Bootstrap, Field, Kind, Method, Status
@@ -287,7 +287,7 @@ class RankServer:
                 began = time.perf_counter()
                 self.worker.reset()
                 wait_for_device(self.device)
-        except SharedSlotAllocationFailed as exc:
+        except SharedMemoryExhausted as exc:
             # shared_empty() allocates on rank 0 alone: a full /dev/shm there is a
             # delivery failure, not a disagreement between ranks (the others never
             # allocate). Anywhere else it is an exception like any other.
@@ -351,7 +351,7 @@ class RankServer:
             descriptors, payload, _ = transfer.encode(
                 item, self.results, what, holders=(CALLER,), reuse_segments=True,
                 inline_limit=self.inline_limit)
-        except SharedSlotAllocationFailed as exc:
+        except SharedMemoryExhausted as exc:
             return exc
         except Exception as exc:
             failure = TypeError(
@@ -380,13 +380,13 @@ class RankServer:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="reactor-dist-worker",
+        prog="reactor-dist-rank",
         description=(
             "Runs one rank of a reactor_dist DistributedRunner: imports the worker class, "
-            "joins the runner's ZeroMQ bus and torch.distributed group, calls load() once, "
-            "then serves generate()/reset() until shutdown. The runner starts it with its "
-            "configuration (and a per-runner secret) on stdin; wrap it with the runner's "
-            "launch_prefix option, e.g. launch_prefix=[sys.executable, '-m', "
+            "joins the runner's ZeroMQ bus and the torch group (torch.distributed), calls "
+            "load() once, then serves generate()/reset() until shutdown. The runner starts "
+            "it with its configuration (and a per-runner secret) on stdin; wrap it with the "
+            "runner's launch_prefix option, e.g. launch_prefix=[sys.executable, '-m', "
             "'reactor_dist.numa', '{rank}'] (the CPUs of the rank's GPU's NUMA node)."
         ),
     )

@@ -207,13 +207,13 @@ class Receiver:
         head, world_size = queue.in_flight[0], queue.world_size
         silent = [r for r in range(world_size) if r not in head.replies]
         if head.deadline is not None and now >= head.deadline:
-            queue.broken(queue.transport.timed_out(silent, head.timeout, head.what,
+            queue.broken(queue.supervisor.timed_out(silent, head.timeout, head.what,
                                                    head.replies), head)
             return
         for call in list(queue.in_flight)[1:]:
             if call.queued_until is not None and not call.abandoned and now >= call.queued_until:
                 running = (head.seq, silent, head.abandoned)
-                queue.broken(queue.transport.timed_out(
+                queue.broken(queue.supervisor.timed_out(
                     list(range(world_size)), call.timeout, call.what, {}, running), call)
                 return
 
@@ -235,7 +235,7 @@ class Receiver:
         try:
             while True:
                 with self.lock:
-                    if queue.state != queue.READY:
+                    if queue.state != queue.HEALTHY:
                         return
                     if self.receiving or not self.unwatched():
                         if not queue.settled:

@@ -32,10 +32,10 @@ from . import timeouts
 from .errors import WorkerTimeout
 from .handshake import Ask, exchange
 from .protocol import Field, Kind
-from .transport import raise_first_error
+from .supervisor import raise_first_error
 
 if TYPE_CHECKING:
-    from .transport import Transport
+    from .supervisor import Supervisor
 
 
 class Restarted(NamedTuple):
@@ -46,31 +46,31 @@ class Restarted(NamedTuple):
     seconds: float
 
 
-def restart(transport: Transport, *, rejoin: bool, grace: float, timeout: float | None,
+def restart(supervisor: Supervisor, *, rejoin: bool, grace: float, timeout: float | None,
             last_seq: int, other: Callable[[dict[str, Any]], None]) -> Restarted:
     """Replace the ranks that are gone (every rank, without ``rejoin``); raises what
     start() would, or WorkerCrashed / WorkerTimeout."""
     began = time.monotonic()
     deadline = timeouts.deadline_of(timeout)
-    bus, ranks = transport.bus, transport.ranks
+    bus, ranks = supervisor.bus, supervisor.ranks
     assert bus is not None and ranks is not None
     # A rank's full pipe refuses the DROP to every rank (XPUB_NODROP: all or none): then
     # no rank may keep its model, since a kept rank would run the failed calls first.
     dropped = bus.try_publish({Field.KIND: Kind.DROP, Field.SEQ: last_seq})
     ranks.watch.close()  # deaths from here on are this restart's business:
-    transport.epoch += 1  # the old watch's notices are stale from now on
+    supervisor.epoch += 1  # the old watch's notices are stale from now on
     alive = [r for r, proc in enumerate(ranks.procs) if proc.alive()]
-    kept = responsive(transport, alive, min(grace, max(deadline - began, 0.0)), other) \
+    kept = responsive(supervisor, alive, min(grace, max(deadline - began, 0.0)), other) \
         if rejoin and alive and dropped else []
-    replaced = [r for r in range(transport.world_size) if r not in kept]
-    transport.replace(replaced)
-    epoch = transport.epoch
-    pongs = transport.ping(frozenset(replaced), deadline, timeout, "restart()", other)
+    replaced = [r for r in range(supervisor.world_size) if r not in kept]
+    supervisor.replace(replaced)
+    epoch = supervisor.epoch
+    pongs = supervisor.ping(frozenset(replaced), deadline, timeout, "restart()", other)
     port = (pongs[0][0].get(Field.PORT) or 0) if 0 in pongs else 0
     rejoin_command = {Field.KIND: Kind.REJOIN, Field.SEQ: 0, Field.EPOCH: epoch}
     progress = frozenset({Kind.PROGRESS})
     if 0 in kept:  # rank 0 opens the new group's store first (across nodes: a new port)
-        told = exchange(transport, [Ask({**rejoin_command, Field.RANKS: [0]}, Kind.PROGRESS,
+        told = exchange(supervisor, [Ask({**rejoin_command, Field.RANKS: [0]}, Kind.PROGRESS,
                                         frozenset({0}))],
                         deadline - time.monotonic(), timeout, "restart()", other=other)
         port = told[0][0].get(Field.PORT) or 0
@@ -82,24 +82,24 @@ def restart(transport: Transport, *, rejoin: bool, grace: float, timeout: float 
                         Kind.REJOINED, frozenset(others), progress))
         if 0 in kept:  # has its REJOIN: nothing more to send it
             asks.append(Ask({}, Kind.REJOINED, frozenset({0}), progress))
-    answers = exchange(transport, asks, deadline - time.monotonic(), timeout, "restart()",
+    answers = exchange(supervisor, asks, deadline - time.monotonic(), timeout, "restart()",
                        first_error=True, other=other)
     raise_first_error(answers)
     for rank in replaced:
         seconds = answers[rank][0].get(Field.LOAD_SECONDS)
         if isinstance(seconds, float):
-            transport.load_seconds[rank] = seconds
+            supervisor.load_seconds[rank] = seconds
     return Restarted(replaced, kept, time.monotonic() - began)
 
 
-def responsive(transport: Transport, alive: list[int], grace: float,
+def responsive(supervisor: Supervisor, alive: list[int], grace: float,
                other: Callable[[dict[str, Any]], None]) -> list[int]:
     """The ranks of ``alive`` that answer a PING within ``grace`` seconds: a rank still
     inside the failed step (a collective with a peer that is gone) answers once it
     leaves it; one that does not in time is replaced."""
     try:
-        pongs = transport.ping(frozenset(alive), time.monotonic() + grace, grace,
+        pongs = supervisor.ping(frozenset(alive), time.monotonic() + grace, grace,
                                "restart()", other, partial=True)
     except WorkerTimeout:
         return []
-    return sorted(r for r in pongs if transport.ranks.procs[r].alive())  # type: ignore[union-attr]
+    return sorted(r for r in pongs if supervisor.ranks.procs[r].alive())  # type: ignore[union-attr]

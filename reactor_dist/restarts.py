@@ -69,7 +69,7 @@ class Restarts:
 
     def stop(self) -> None:
         """Shutdown: a restart in progress gives up (within a beat) before anything ends."""
-        self.queue.transport.closing = True
+        self.queue.supervisor.closing = True
         thread = self.thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=10)
@@ -85,7 +85,7 @@ class Restarts:
                 raise RuntimeError("start() has not run: call runner.start() first")
             while queue.state == RESTARTING:  # a restart of its own (max_restarts) runs
                 queue.receiver.wait(WAKE)
-            if queue.state == queue.READY:
+            if queue.state == queue.HEALTHY:
                 queue.failure = None
                 queue.fail_in_flight(lambda call: RuntimeError(
                     f"{call.what} was in flight when runner.restart() was called: it has "
@@ -101,8 +101,8 @@ class Restarts:
                 return  # shut down meanwhile
             if failure is None:
                 assert queue.path is not None
-                queue.path.ranks = queue.transport.ranks  # type: ignore[assignment]
-                queue.state, queue.failure = queue.READY, None
+                queue.path.ranks = queue.supervisor.ranks  # type: ignore[assignment]
+                queue.state, queue.failure = queue.HEALTHY, None
             else:
                 queue.state, queue.failure = queue.UNUSABLE, failure
             queue.receiver.changed_all()
@@ -129,7 +129,7 @@ class Restarts:
         """Bring the ranks back (the queue is ``restarting``); on a failure every rank is
         ended and the queue is unusable with that failure."""
         queue = self.queue
-        transport = queue.transport
+        supervisor = queue.supervisor
         with queue.lock:
             queue.receiver.wait_for_receiver()
             path = queue.path
@@ -143,10 +143,10 @@ class Restarts:
                 path.discard(header)
 
         try:
-            done = recovery.restart(transport, rejoin=self.rejoin, grace=self.grace,
+            done = recovery.restart(supervisor, rejoin=self.rejoin, grace=self.grace,
                                     timeout=timeout, last_seq=last_seq, other=other)
         except BaseException as exc:
-            transport.end_ranks()
+            supervisor.end_ranks()
             self.ended(exc)
             raise
         self.count += 1

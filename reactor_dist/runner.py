@@ -13,7 +13,7 @@ made it so; ``restart()`` brings an unusable runner back
 (:mod:`reactor_dist.restarts`); a step is never replayed.  The state, the order of
 calls and their waits belong to one :class:`~reactor_dist.call_queue.CallQueue`;
 every method here is a thin layer over it, and the ranks' processes belong to
-:class:`~reactor_dist.transport.Transport`.
+:class:`~reactor_dist.supervisor.Supervisor`.
 """
 
 from __future__ import annotations
@@ -30,17 +30,17 @@ from types import EllipsisType
 from typing import Any
 
 from . import aio, blocking
-from .call_queue import CLOSED, NEW, READY, UNUSABLE, CallQueue
+from .call_queue import CLOSED, HEALTHY, NEW, UNUSABLE, CallQueue
 from .observers import Observer, tell
 from .placement import check_ray_options
 from .protocol import Method
 from .restarts import Restarts
 from .shm import DEFAULT_DIR
 from .stream import Stream
+from .supervisor import Supervisor
 from .timeouts import check_grace
 from .timeouts import check_timeout as _check_timeout
 from .timings import CallTimings, Recorder, Stats
-from .transport import Transport
 from .validation import (
     check_counts,
     check_devices,
@@ -55,16 +55,16 @@ log = logging.getLogger("reactor_dist")
 _warned_auto_cpu = False
 
 
-def _close(transport: Transport, queue: CallQueue) -> None:
+def _close(supervisor: Supervisor, queue: CallQueue) -> None:
     """Finalizer (also at interpreter exit): never leave a process or a file behind."""
-    graceful = queue.state == READY
+    graceful = queue.state == HEALTHY
     try:
         queue.close()  # the calls in flight fail
-        transport.close(graceful=graceful)
+        supervisor.close(graceful=graceful)
     except BaseException:
         # Interrupted (Ctrl-C while a rank takes its grace period): the finalizer has
         # fired and will not run again, so end the rest now, without grace.
-        transport.close(graceful=False)
+        supervisor.close(graceful=False)
         raise
 
 
@@ -124,7 +124,7 @@ class DistributedRunner:
             # it here so their pickles (results, exceptions) resolve in this process.
             sys.modules.setdefault("__mp_main__", sys.modules["__main__"])
         self._worker_name = f"{worker_cls.__module__}.{worker_cls.__qualname__}"
-        self._transport = Transport(
+        self._supervisor = Supervisor(
             worker=where, world_size=world_size, load_kwargs=kwargs,
             init_process_group=bool(init_process_group), device=device, gpus=gpus, env=env,
             launch_prefix=[str(p) for p in launch_prefix], shm_dir=shm_dir,
@@ -132,13 +132,13 @@ class DistributedRunner:
             start_timeout=self.start_timeout, call_timeout=self.call_timeout,
             shutdown_grace=check_grace(shutdown_grace), rank_output=rank_output, ray=ray)
         self._timings = Recorder(world_size)
-        self._queue = CallQueue(self._transport, max_in_flight, self._timings)
+        self._queue = CallQueue(self._supervisor, max_in_flight, self._timings)
         rejoin = callable(getattr(worker_cls, "rejoin", None))
         self._restarts = self._queue.restarts = Restarts(
             self._queue, rejoin=rejoin, grace=check_grace(shutdown_grace),
             max_restarts=max_restarts, window=window, timeout=self.start_timeout)
         self._lifecycle = threading.Lock()  # start() and shutdown() take turns
-        self._finalizer = weakref.finalize(self, _close, self._transport, self._queue)
+        self._finalizer = weakref.finalize(self, _close, self._supervisor, self._queue)
 
     # -- properties -----------------------------------------------------------------------
     @property
@@ -158,20 +158,20 @@ class DistributedRunner:
     @property
     def devices(self) -> tuple[str, ...]:
         """Each rank's device ("cpu", "cuda:0", ...), once started."""
-        return tuple(self._transport.devices)
+        return tuple(self._supervisor.devices)
 
     @property
     def load_seconds(self) -> tuple[float | None, ...]:
         """Each rank's last ``load()`` (a rank that kept its model in a restart: its
         first), in seconds; None before it ran."""
-        seconds = self._transport.load_seconds
+        seconds = self._supervisor.load_seconds
         return tuple(seconds.get(rank) for rank in range(self._world_size))
 
     @property
     def shared_memory_bytes(self) -> int:
         """Bytes of shared memory this process holds for the runner now: its input
         pool and the result segments it maps."""
-        return self._transport.shared_memory_bytes()
+        return self._supervisor.shared_memory_bytes()
 
     @property
     def worker_name(self) -> str:
@@ -210,7 +210,7 @@ class DistributedRunner:
     def healthy(self) -> bool:
         """True between a successful start() and a crash, timeout, desync or shutdown.
         Only reads: a rank that died while idle is reported by the next call."""
-        return self._queue.state == READY and not self._transport.dead()
+        return self._queue.state == HEALTHY and not self._supervisor.dead()
 
     # -- timings (reactor_dist.timings) ------------------------------------------------------
     @property
@@ -255,10 +255,10 @@ class DistributedRunner:
                 instrument_if_configured(self)  # spans when it set a tracer provider
             began = perf_counter()
             try:
-                self._transport.start(self.start_timeout)
+                self._supervisor.start(self.start_timeout)
             except BaseException as exc:
                 queue.failure = exc
-                self._transport.close(graceful=False)
+                self._supervisor.close(graceful=False)
                 queue.state = CLOSED
                 self._lifecycle_ended("start", began, exc)
                 raise
@@ -276,7 +276,7 @@ class DistributedRunner:
     def _warn_if_no_cuda(self) -> None:
         """gpus= or device="auto" on a machine without CUDA: the ranks run on CPU."""
         global _warned_auto_cpu
-        if "cpu" not in self._transport.devices:
+        if "cpu" not in self._supervisor.devices:
             return
         if self._gpus is not None:
             log.warning("gpus=%s was given, but the ranks see no CUDA device: they run on "
@@ -344,7 +344,7 @@ class DistributedRunner:
             self._lifecycle_ended("restart", began, None)
 
     async def arestart(self, *, timeout: float | None | EllipsisType = ...) -> None:
-        """:meth:`restart`, in a worker thread: the event loop keeps running meanwhile."""
+        """:meth:`restart`, in a thread of its own: the event loop keeps running meanwhile."""
         await asyncio.to_thread(self.restart, timeout=timeout)
 
     def _timeout(self, timeout: float | None | EllipsisType) -> float | None:
@@ -352,7 +352,7 @@ class DistributedRunner:
 
     # -- asyncio ------------------------------------------------------------------------------
     async def astart(self) -> None:
-        """:meth:`start`, in a worker thread: the event loop keeps running meanwhile."""
+        """:meth:`start`, in a thread of its own: the event loop keeps running meanwhile."""
         await asyncio.to_thread(self.start)
 
     async def agenerate(self, input: Any, /, *,
@@ -375,7 +375,7 @@ class DistributedRunner:
         return await aio.wait_idle(self._queue, self._timeout(timeout))
 
     async def ashutdown(self) -> None:
-        """:meth:`shutdown`, in a worker thread (it may wait for the ranks' grace)."""
+        """:meth:`shutdown`, in a thread of its own (it may wait for the ranks' grace)."""
         await asyncio.to_thread(self.shutdown)
 
     async def __aenter__(self) -> DistributedRunner:

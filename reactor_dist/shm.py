@@ -34,7 +34,7 @@ from functools import lru_cache
 import numpy as np
 import psutil
 
-from .errors import SharedSlotAllocationFailed
+from .errors import SharedMemoryExhausted
 from .protocol import OWNER_LOCK, segment_owner, segment_prefix
 
 DEFAULT_DIR = "/dev/shm"
@@ -96,9 +96,9 @@ def capacity(directory: str) -> tuple[int, int]:
     return total, free
 
 
-def allocation_error(directory: str, nbytes: int, what: str) -> SharedSlotAllocationFailed:
+def allocation_error(directory: str, nbytes: int, what: str) -> SharedMemoryExhausted:
     total, free = capacity(directory)
-    return SharedSlotAllocationFailed(
+    return SharedMemoryExhausted(
         f"cannot allocate {mib(nbytes)} of shared memory for {what}: {directory} has "
         f"{mib(total)} in total and {mib(free)} free. Give it more room: "
         f"`docker run --shm-size=16g ...` (Docker's default is 64 MB; on Kubernetes mount an "

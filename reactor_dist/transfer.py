@@ -128,7 +128,7 @@ def dumps(obj: Any, admit: Callable[[int], None] | None = None,
 
 
 def _room_check(ledger: Ledger, what: str, inline_limit: int) -> Callable[[int], None]:
-    """Refuses (SharedSlotAllocationFailed) a pickling copy that, with the copies before
+    """Refuses (SharedMemoryExhausted) a pickling copy that, with the copies before
     it, could never fit in the ledger's shared memory: before it is made."""
     copies = 0
 
@@ -164,7 +164,7 @@ def encode(obj: Any, ledger: Ledger, what: str, holders: Iterable[Hashable],
            inline_limit: int = INLINE_LIMIT) -> tuple[list[Descriptor], list, list[str]]:
     """``(descriptors, frames, segment names)`` for one payload.
 
-    Raises whatever pickling raises, or SharedSlotAllocationFailed — in both cases
+    Raises whatever pickling raises, or SharedMemoryExhausted — in both cases
     before anything was sent.  ``holders`` hold every segment the payload lies in.
     """
     stream, buffers = dumps(obj, _room_check(ledger, what, inline_limit))

@@ -55,7 +55,7 @@ class DistributedWorker:
         Fill it (``torch.from_numpy(buf).copy_(gpu_tensor)``), return it (or an
         object holding it) from ``generate``, and do not write to it afterwards:
         the caller reads the same memory.  On ranks other than 0, whose results
-        are discarded, it is an ordinary array.  Raises SharedSlotAllocationFailed
+        are discarded, it is an ordinary array.  Raises SharedMemoryExhausted
         when /dev/shm cannot hold it.
         """
         allocate = self._reactor_allocate

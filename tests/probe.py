@@ -26,31 +26,31 @@ def marked_by(runner_pid: int) -> list[psutil.Process]:
 
 class Probe:
     def __init__(self, runner: DistributedRunner) -> None:
-        self._transport = runner._transport
+        self._supervisor = runner._supervisor
 
     @property
     def rank_pids(self) -> list[int]:
         """The ranks' process ids (the processes the runner started); [] once ended."""
-        ranks = self._transport.ranks
+        ranks = self._supervisor.ranks
         return [p.pid for p in ranks.procs] if ranks is not None else []
 
     @property
     def launcher_pids(self) -> list[int]:
         """Where each rank's code runs (differs from rank_pids under a wrapping prefix)."""
-        ranks = self._transport.ranks
+        ranks = self._supervisor.ranks
         return [p.launcher_pid for p in ranks.procs] if ranks is not None else []
 
     @property
     def rank_processes(self) -> list:
         """The ranks' processes.RankProcess handles: their ``popen.returncode`` (the exit
         status) stays readable after shutdown(); [] once ended."""
-        ranks = self._transport.ranks
+        ranks = self._supervisor.ranks
         return list(ranks.procs) if ranks is not None else []
 
     def output_lines(self, rank: int) -> list[str]:
         """The last lines rank ``rank`` wrote, as its output pump kept them (also the
         lines it did not forward)."""
-        return self._transport.ranks.procs[rank].output.last_lines(200)
+        return self._supervisor.ranks.procs[rank].output.last_lines(200)
 
     def processes(self) -> list[int]:
         """Every rank and every process under it."""
@@ -66,19 +66,19 @@ class Probe:
     @property
     def shm_prefix(self) -> str:
         """The prefix of this runner's /dev/shm entries (without the trailing dot)."""
-        return self._transport.shm_prefix
+        return self._supervisor.shm_prefix
 
     @property
     def ipc_dir(self) -> str | None:
-        return self._transport.ipc_dir
+        return self._supervisor.ipc_dir
 
     @property
     def secret(self) -> bytes:
-        return self._transport.secret
+        return self._supervisor.secret
 
     def cut_a_command_short(self) -> None:
         """Leave the command socket as a Ctrl-C in the middle of a send leaves it."""
-        bus = self._transport.bus
+        bus = self._supervisor.bus
         bus.pub.send(b"half of an interrupted command", zmq.SNDMORE)
         bus._pub_open = True
 
@@ -86,29 +86,29 @@ class Probe:
     def placed(self) -> list[dict]:
         """placement="ray": each rank's node id, whether it shares this node, its pid
         and its host actor's pid (on its node)."""
-        group = self._transport.placement
+        group = self._supervisor.placement
         return [{"rank": h.rank, "node": h.node, "local": h.local, "pid": h.pid,
                  "host_pid": h.host_pid} for h in (group.ranks if group else [])]
 
     @property
     def tcp_endpoints(self) -> list[str]:
         """The bus's TCP endpoints (ranks on other nodes), [] when every rank is local."""
-        bus = self._transport.bus
+        bus = self._supervisor.bus
         return [sock.getsockopt(zmq.LAST_ENDPOINT).decode() for sock in (bus.pub, bus.pull)
                 if sock.getsockopt(zmq.LAST_ENDPOINT).startswith(b"tcp://")]
 
     @property
     def server_key(self) -> bytes:
         """The CurveZMQ public key of the bus's TCP endpoints."""
-        return self._transport.bus.server_key
+        return self._supervisor.bus.server_key
 
     @property
     def lifeline_address(self) -> tuple[str, int]:
         """placement="ray": where the runner listens for its hosts' lifelines."""
-        return self._transport.placement.lifeline.getsockname()[:2]
+        return self._supervisor.placement.lifeline.getsockname()[:2]
 
     def cut_lifelines(self) -> None:
         """Close the runner's end of every host's lifeline (as its death would)."""
-        group = self._transport.placement
+        group = self._supervisor.placement
         for sock in group._held:
             sock.close()

@@ -12,7 +12,7 @@ import time
 import numpy as np
 from stream_workers import Frames
 
-from reactor_dist import DistributedRunner, SharedSlotAllocationFailed
+from reactor_dist import DistributedRunner, SharedMemoryExhausted
 from reactor_dist.ledger import IDLE_RETURN
 
 MB16 = 16_000_000
@@ -67,7 +67,7 @@ def main(scenario: str, directory: str) -> None:
         elif scenario == "truly-short":
             try:
                 held = list(runner.stream({"n": 16, "size": MB16}))
-            except SharedSlotAllocationFailed as exc:
+            except SharedMemoryExhausted as exc:
                 print("refused", str(exc).split(":")[0], "--shm-size" in str(exc))
             else:
                 print("held", len(held))

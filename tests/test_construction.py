@@ -110,20 +110,20 @@ def test_calls_before_start_and_second_start():
     runner.shutdown()  # idempotent
 
 
-# The rank's entry points: the module, its former name, and the installed script.
+# The rank's entry points: the module, the installed script, and the script's former name.
 RANK_ENTRIES = [[sys.executable, "-m", "reactor_dist.rank"],
-                [sys.executable, "-m", "reactor_dist.launcher"],
+                [os.path.join(os.path.dirname(sys.executable), "reactor-dist-rank")],
                 [os.path.join(os.path.dirname(sys.executable), "reactor-dist-worker")]]
 
 
-@pytest.mark.parametrize("entry", RANK_ENTRIES, ids=["rank", "launcher", "script"])
+@pytest.mark.parametrize("entry", RANK_ENTRIES, ids=["module", "script", "former-script"])
 def test_rank_entry_point_help(entry):
     out = subprocess.run([*entry, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
-    assert "reactor-dist-worker" in out.stdout and "launch_prefix" in out.stdout
+    assert "reactor-dist-rank" in out.stdout and "launch_prefix" in out.stdout
 
 
-@pytest.mark.parametrize("entry", RANK_ENTRIES, ids=["rank", "launcher", "script"])
+@pytest.mark.parametrize("entry", RANK_ENTRIES, ids=["module", "script", "former-script"])
 def test_rank_entry_point_refuses_to_run_without_bootstrap(entry):
     out = subprocess.run(entry, input=b"", capture_output=True, timeout=60)
     assert out.returncode != 0

@@ -39,7 +39,7 @@ def test_doctor_passes_with_one_rank_which_forms_no_group():
     lines = out.stdout.splitlines()
     assert lines[0] == "reactor-dist doctor: world_size=1, device=cpu"
     (row,) = [line for line in lines if line.startswith("✓ smoke run")]
-    assert "1 rank on cpu: no group (one rank), a 16 MiB frame back" in row
+    assert "1 rank on cpu: no torch group (one rank), a 16 MiB frame back" in row
     assert lines[-1] == "all checks passed"
 
 

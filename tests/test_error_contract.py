@@ -34,7 +34,7 @@ from reactor_dist import (
     DistributedRunner,
     RankDesync,
     RemoteError,
-    SharedSlotAllocationFailed,
+    SharedMemoryExhausted,
     WorkerCrashed,
     WorkerTimeout,
 )
@@ -242,15 +242,15 @@ def test_result_that_fails_to_unpickle_in_the_caller():
 
 
 def test_a_shm_error_raised_by_every_rank_is_an_ordinary_same_type_error():
-    with runner_for(2, Raises, load_kwargs={"error": SharedSlotAllocationFailed}) as runner:
-        with pytest.raises(SharedSlotAllocationFailed, match="boom on rank 0"):
+    with runner_for(2, Raises, load_kwargs={"error": SharedMemoryExhausted}) as runner:
+        with pytest.raises(SharedMemoryExhausted, match="boom on rank 0"):
             runner.generate(FAULT)
         assert runner.healthy
 
 
 def test_a_shm_error_on_rank1_alone_is_a_desync_not_swallowed():
-    with runner_for(2, Raises, load_kwargs={"error": SharedSlotAllocationFailed,
+    with runner_for(2, Raises, load_kwargs={"error": SharedMemoryExhausted,
                                             "rank": 1}) as runner:
-        with pytest.raises(RankDesync, match="rank 1 raised .*SharedSlotAllocationFailed"):
+        with pytest.raises(RankDesync, match="rank 1 raised .*SharedMemoryExhausted"):
             runner.generate(FAULT)
         assert not runner.healthy

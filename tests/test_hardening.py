@@ -26,7 +26,7 @@ import test_runner_death
 import zmq
 from sample_workers import Echo, FullArray, Step
 
-from reactor_dist import DistributedRunner, SharedSlotAllocationFailed, WorkerCrashed, shm, wire
+from reactor_dist import DistributedRunner, SharedMemoryExhausted, WorkerCrashed, shm, wire
 from reactor_dist.ledger import NAME_TRIES, Ledger
 from reactor_dist.protocol import Field, Kind
 
@@ -120,7 +120,7 @@ def test_a_directory_squatting_on_a_runners_names_never_stops_its_shutdown(tmp_p
     try:
         with small_runner() as runner:
             runner.generate(np.ones(1 << 20, np.uint8))
-            squat = f"{shm.DEFAULT_DIR}/{runner._transport.shm_prefix}.in99"
+            squat = f"{shm.DEFAULT_DIR}/{runner._supervisor.shm_prefix}.in99"
             os.mkdir(squat)
         assert os.path.isdir(squat)
     finally:
@@ -143,7 +143,7 @@ def test_ranks_end_after_a_sigkilled_runner_whatever_squats_in_dev_shm(apps):
 def test_names_taken_in_advance_do_not_stop_calls():
     """Whoever sees one name cannot take the next ones: names carry a random token."""
     runner = small_runner()
-    prefix = f"{shm.DEFAULT_DIR}/{runner._transport.shm_prefix}."
+    prefix = f"{shm.DEFAULT_DIR}/{runner._supervisor.shm_prefix}."
     squatted = [f"{prefix}{tag}{n}" for tag in ("in", "r0-") for n in range(1, 40)]
     for path in squatted:
         open(path, "x").close()
@@ -163,7 +163,7 @@ def test_a_name_somebody_took_first_is_passed_over(tmp_path):
     ledger = Ledger(str(tmp_path), "p", "in", token=lambda: next(tokens))
     try:
         assert ledger.acquire(100, "a test", ["r"]).name == "p.infresh"
-        with pytest.raises(SharedSlotAllocationFailed, match="taken"):
+        with pytest.raises(SharedMemoryExhausted, match="taken"):
             ledger.acquire(2 << 20, "a test", ["r"])
         assert (tmp_path / "p.intaken").read_bytes() == b"not ours"
     finally:
@@ -189,7 +189,7 @@ def test_shutdown_never_signals_the_group_of_a_rank_whose_pid_passed_on():
         pytest.skip("choosing the next pid (ns_last_pid) takes root")
     stand_in = None
     with small_runner() as runner:
-        victim = runner._transport.ranks.procs[1].pid
+        victim = runner._supervisor.ranks.procs[1].pid
         os.kill(victim, signal.SIGKILL)
         with pytest.raises(WorkerCrashed):
             runner.generate(1)  # the crash is reported: its exit status was read
@@ -245,6 +245,10 @@ def test_a_runner_in_another_pid_namespace_keeps_its_segments():
         shutil.rmtree(shm_dir, ignore_errors=True)
 
 
+def without_results(names) -> list[str]:
+    return sorted(n for n in names if ".r0-" not in n)
+
+
 def namespaced_beside_host(script: str, shm_dir: str) -> None:
     from probe import Probe
 
@@ -262,7 +266,9 @@ def namespaced_beside_host(script: str, shm_dir: str) -> None:
             assert any(".in" in name for name in entries)
             with small_runner(shm_dir=shm_dir) as runner:
                 runner.generate(1)
-            assert sorted(os.listdir(shm_dir)) == entries
+            # The app's rank 0 may retire its own idle result segment meanwhile (idle
+            # trimming, its own doing under a slow machine); nothing else may go.
+            assert without_results(os.listdir(shm_dir)) == without_results(entries)
             app.stdin.write("go\n")
             app.stdin.flush()
             assert json.loads(app.stdout.readline()) is True
@@ -306,7 +312,7 @@ def test_huge_forged_frames_cost_the_runner_no_memory_and_no_call(tmp_path):
         peak_rss_reset()
         before = peak_rss()
         flood = subprocess.Popen([sys.executable, "-c", FLOOD,
-                                  f"ipc://{runner._transport.ipc_dir}/reply"])
+                                  f"ipc://{runner._supervisor.ipc_dir}/reply"])
         try:
             deadline = time.monotonic() + 4
             calls = 0
@@ -329,7 +335,7 @@ def test_forged_frames_under_the_bound_are_never_copied_before_their_mac_fails()
         tracemalloc.start()
         try:
             flood = subprocess.Popen([sys.executable, "-c", FLOOD,
-                                      f"ipc://{runner._transport.ipc_dir}/reply", str(200 << 20)])
+                                      f"ipc://{runner._supervisor.ipc_dir}/reply", str(200 << 20)])
             try:
                 calls = 0
                 while flood.poll() is None and calls < 2000:
@@ -401,7 +407,7 @@ def test_a_non_contiguous_input_too_big_for_shm_fails_before_any_copy(monkeypatc
             strided = base[::2]  # 100 MiB, copied to be pickled
             peak_rss_reset()
             before = peak_rss()
-            with pytest.raises(SharedSlotAllocationFailed, match="100.0 MiB"):
+            with pytest.raises(SharedMemoryExhausted, match="100.0 MiB"):
                 runner.generate(strided)
             assert peak_rss() - before < 32 << 20, "the input was copied before it was refused"
             x = np.arange(1 << 20, dtype=np.uint8)[::2]

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from reactor_dist import SharedSlotAllocationFailed, shm
+from reactor_dist import SharedMemoryExhausted, shm
 from reactor_dist.ledger import WARM_MOST, WARM_WINDOW, Ledger, Mapped
 from reactor_dist.shm import GRANULE
 
@@ -104,7 +104,7 @@ def test_a_full_filesystem_retires_idle_segments_before_it_gives_up(tmp_path, mo
         book.release(idle.name, "h")
         book.acquire(3 * GRANULE, "test", holders=["h"])  # fits only once the idle one is gone
         assert book.take_retired() == [idle.name]
-        with pytest.raises(SharedSlotAllocationFailed, match="cannot allocate 4.0 MiB"):
+        with pytest.raises(SharedMemoryExhausted, match="cannot allocate 4.0 MiB"):
             book.acquire(4 * GRANULE, "the test payload", holders=["h"])
     finally:
         book.close()
@@ -156,7 +156,7 @@ def test_a_full_filesystem_asks_the_other_side_after_its_own_idle_segments(tmp_p
         again = book.acquire(2 * GRANULE, "test", holders=["h"])  # does not fit: reclaim
         assert asked == [(2 * GRANULE, [small.name])]
         assert again.name == held.name  # the segment the peer let go meanwhile
-        with pytest.raises(SharedSlotAllocationFailed, match="cannot allocate 3.0 MiB"):
+        with pytest.raises(SharedMemoryExhausted, match="cannot allocate 3.0 MiB"):
             book.acquire(3 * GRANULE, "the test payload", holders=["h"])
         assert len(asked) == 2  # asked once more before the error
     finally:

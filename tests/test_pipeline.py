@@ -345,7 +345,7 @@ def test_ctrl_c_in_a_thread_waiting_on_a_future(log_dir):
     assert seen_by_every_rank(log_dir) == ["nap 'interrupted'", "'next'", "'submitted'"]
 
 
-@pytest.mark.parametrize("max_in_flight", [1, 2], ids=["waiting-for-a-slot", "sent-behind"])
+@pytest.mark.parametrize("max_in_flight", [1, 2], ids=["waiting-for-its-turn", "sent-behind"])
 def test_cancelling_a_task_whose_call_is_queued(max_in_flight, log_dir):
     async def main() -> None:
         async with runner_for(log_dir, max_in_flight=max_in_flight) as runner:
@@ -364,7 +364,7 @@ def test_cancelling_a_task_whose_call_is_queued(max_in_flight, log_dir):
             assert runner.healthy
 
     asyncio.run(main())
-    # A call still waiting for a slot is never sent; one already sent runs to its end.
+    # A call still waiting for its turn is never sent; one already sent runs to its end.
     ran = ["nap 'running'", "nap 'queued'", "'next'"] if max_in_flight == 2 else \
         ["nap 'running'", "'next'"]
     assert seen_by_every_rank(log_dir) == ran

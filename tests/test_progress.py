@@ -24,7 +24,7 @@ def test_load_progress_and_phases_reach_the_caller_as_log_records(caplog):
     for rank in (0, 1):
         mine = [r for r in records if r.rank == rank]
         phases = [r.phase for r in mine if not hasattr(r, "done")]
-        assert phases == ["importing", "forming the group", "loading"], phases
+        assert phases == ["importing", "forming the torch group", "loading"], phases
         last = [r for r in mine if getattr(r, "done", None) == 4]
         assert len(last) == 1 and last[0].total == 4 and last[0].unit == "shards"
         assert last[0].getMessage().startswith(f"rank {rank}: loading 4/4 shards (")

@@ -60,7 +60,7 @@ MB16 = 16 << 20
 @pytest.fixture(scope="module")
 def cluster():
     """Head (2 CPUs, this process's node) + a second node (2 CPUs, 2 GPUs as far as Ray
-    knows, and 2 ``far`` slots that only it has: a bundle asking for one lands there)."""
+    knows, and 2 ``far`` units that only it has: a bundle asking for one lands there)."""
     from ray.cluster_utils import Cluster
 
     saved = {k: os.environ.get(k) for k in LOOPBACK_ENV}

@@ -20,7 +20,7 @@ from conftest import our_shm_entries, segment_of
 from probe import Probe
 from sample_workers import Echo, FullArray, MetaTensor, SharedArray, WriteInput
 
-from reactor_dist import DistributedRunner, SharedSlotAllocationFailed, WorkerCrashed, shm
+from reactor_dist import DistributedRunner, SharedMemoryExhausted, WorkerCrashed, shm
 from reactor_dist.transfer import INLINE_LIMIT, dumps, on_cpu
 
 BIG = 4 * INLINE_LIMIT  # surely out of band, through a segment
@@ -259,7 +259,7 @@ def test_input_too_big_for_shm_is_refused_before_sending(tmp_path, monkeypatch, 
     monkeypatch.setenv(shm.LIMIT_ENV, str(64 << 20))
     with DistributedRunner(Echo, world_size=2, init_process_group=False, device="cpu",
                            shm_dir=str(small), load_kwargs={"log_dir": log_dir}) as runner:
-        with pytest.raises(SharedSlotAllocationFailed) as info:
+        with pytest.raises(SharedMemoryExhausted) as info:
             runner.generate(np.zeros(97 << 20, np.uint8))
         message = str(info.value)
         assert "97.0 MiB" in message and "64.0 MiB in total" in message
@@ -277,7 +277,7 @@ def test_result_too_big_for_shm_is_rank0s_error_without_desync(tmp_path, monkeyp
     with DistributedRunner(Echo, world_size=2, init_process_group=False, device="cpu",
                            shm_dir=str(small)) as runner:
         for step in (FullArray, SharedArray):
-            with pytest.raises(SharedSlotAllocationFailed, match="97.0 MiB.*--shm-size"):
+            with pytest.raises(SharedMemoryExhausted, match="97.0 MiB.*--shm-size"):
                 runner.generate(step((97 << 20,)))
             assert runner.healthy
         assert runner.generate(FullArray((BIG,), fill=9)).sum() == 9 * BIG
@@ -308,13 +308,13 @@ def test_no_leak_after_sigkill_of_a_rank_mid_transfer():
 
 REAL_TMPFS_SCRIPT = textwrap.dedent("""
     import numpy as np
-    from reactor_dist import DistributedRunner, SharedSlotAllocationFailed
+    from reactor_dist import DistributedRunner, SharedMemoryExhausted
     from sample_workers import Echo
     with DistributedRunner(Echo, world_size=2, init_process_group=False,
                            device="cpu") as runner:
         try:
             runner.generate(np.zeros(97 << 20, np.uint8))
-        except SharedSlotAllocationFailed as exc:
+        except SharedMemoryExhausted as exc:
             print("REFUSED", exc)
         print("HEALTHY", runner.healthy, int(runner.generate(np.ones(1 << 20, np.uint8)).sum()))
 """)

@@ -37,7 +37,7 @@ DEFAULT_POOL, WARM_POOL = f"{OURS} keep_free_segments=2", f"{OURS} keep_free_seg
 
 class StreamRunner:
     """``DistributedRunner(StreamWorker, world_size=2)``, started, without a process group
-    (the transport is what is measured)."""
+    (the transfer of the stream is what is measured)."""
 
     def __init__(self, s: Settings, keep_free_segments: int) -> None:
         from benchmarks.implementations.bench_workers import StreamWorker

@@ -1,5 +1,5 @@
 """One interface over ours and the baselines, so every workload runs the same code on
-each implementation and only the transport differs."""
+each implementation and only the message path differs."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class _RunnerPool:
 
 class OurPool(_RunnerPool):
     """``DistributedRunner`` around ``BenchWorker``, without torch.distributed (the
-    transport is what is measured, not group formation)."""
+    message path is what is measured, not group formation)."""
 
     supports_shared = True
 

@@ -1,8 +1,8 @@
 """The runner's side of the ranks: start them, report their failures, end them.
 
-:meth:`Transport.start` spawns every rank (:mod:`reactor_dist.processes`), binds the
+:meth:`Supervisor.start` spawns every rank (:mod:`reactor_dist.processes`), binds the
 bus (:mod:`reactor_dist.bus`), handshakes and waits for every ``load()``;
-:meth:`Transport.close` ends them and removes every file.  What happens once per
+:meth:`Supervisor.close` ends them and removes every file.  What happens once per
 call is :class:`reactor_dist.calls.CallPath`, which uses this bus, these ranks and
 ledgers; the order of calls is :mod:`reactor_dist.call_queue`'s.
 """
@@ -65,8 +65,8 @@ Replies = dict[int, tuple[dict, list]]
 log = logging.getLogger("reactor_dist")
 
 
-class Transport:
-    """Processes, bus and segments of one runner; raises the transport's errors
+class Supervisor:
+    """Processes, bus and segments of one runner; raises the ranks' failures
     (WorkerCrashed, WorkerTimeout) and judges nothing else."""
 
     def __init__(self, *, worker: WorkerRef, world_size: int, load_kwargs: dict[str, Any],
@@ -153,7 +153,7 @@ class Transport:
         everyone = frozenset(range(self.world_size))
         pongs = self.ping(everyone, deadline, timeout, "start()")
         store_port = pongs[0][0].get(Field.PORT) or 0
-        # A rank's first PROGRESS after INIT (its phase "forming the group" or "loading")
+        # A rank's first PROGRESS after INIT (its phase "forming the torch group" or "loading")
         # says it got INIT: re-sending stops then, not after load().
         init = {Field.KIND: Kind.INIT, Field.SEQ: 0, Field.PORT: store_port}
         ready = exchange(self, [Ask(init, Kind.READY, everyone, frozenset({Kind.PROGRESS}))],
@@ -219,7 +219,7 @@ class Transport:
             return  # a load() raised: its exception is what start() reports
         formed = [ready[r][0].get(Field.GROUP_SECONDS) for r in sorted(ready)]
         if all(isinstance(s, float) for s in formed):
-            log.info("rank group formed (torch.distributed, %d ranks) in %.2f s",
+            log.info("torch group formed (%d ranks) in %.2f s",
                      self.world_size, max(formed))
         for rank in sorted(ready):
             header = ready[rank][0]
