@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import descriptors, shm
+from .device import usable_cores
 from .worker import DistributedWorker
 
 MiB = 1 << 20
@@ -158,6 +159,20 @@ def check_limits(device: str, world_size: int) -> list[Check]:
     return checks
 
 
+def check_cores(world_size: int, device: str) -> Check:
+    """A core per rank on the CPU: ranks that share cores start slowly and answer slowly.
+    On CUDA the GPUs compute, so the count is information only."""
+    cores = usable_cores()
+    found = f"{cores} usable by this process, for {world_size} rank{'s' * (world_size != 1)}"
+    if device != "cpu":
+        return Check("CPU cores", None, f"{found} (they compute on GPUs)")
+    if cores >= world_size:
+        return Check("CPU cores", True, f"{found} on cpu: a core per rank")
+    return Check("CPU cores", False, f"{found} on cpu: they share the cores (a slow start, "
+                 f"slow calls)", f"lower --world-size to {cores}, or run the ranks on GPUs "
+                 f"(--device cuda)")
+
+
 def check_pidfd() -> Check:
     try:
         fd = os.pidfd_open(os.getpid())
@@ -199,7 +214,7 @@ def run_checks(world_size: int, device: str, frame_bytes: int = FRAME_BYTES,
     checks += check_gpus(world_size, device)
     checks += check_torch(device)
     checks += check_limits(device, world_size)
-    checks.append(check_pidfd())
+    checks += [check_cores(world_size, device), check_pidfd()]
     if smoke_run:
         checks.append(smoke(world_size, device, frame_bytes))
     return checks
