@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import torch
+
 from reactor_dist import doctor
 from reactor_dist.__main__ import main as cli
 
@@ -71,6 +73,22 @@ def test_the_command_line(capsys):
     assert cli([]) == 2 and "usage: reactor-dist {doctor}" in capsys.readouterr().err
     assert cli(["nope"]) == 2 and "unknown command 'nope'" in capsys.readouterr().err
     assert cli(["--help"]) == 0 and "doctor" in capsys.readouterr().out
+
+
+def test_device_auto_is_accepted_and_the_default_and_names_the_device_it_chose():
+    # "auto" is the runner's default; doctor resolves it the way the ranks do.
+    chosen = "cuda" if torch.cuda.is_available() else "cpu"
+    sees = "a CUDA device" if chosen == "cuda" else "no CUDA device"
+    first = (f"reactor-dist doctor: world_size=2, device={chosen} "
+             f"(--device auto: torch sees {sees})")
+    out = run_doctor("--device", "auto", "--world-size", "2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == first and lines[-1] == "all checks passed"
+    assert any(line.startswith("✓ smoke run") and f"2 ranks on {chosen}:" in line
+               for line in lines)
+    default = run_doctor("--world-size", "2", "--no-smoke")  # no --device: auto
+    assert default.stdout.splitlines()[0] == first, default.stdout + default.stderr
 
 
 def test_cpu_ranks_need_a_core_each():
