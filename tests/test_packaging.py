@@ -47,7 +47,8 @@ def test_the_wheel_holds_reactor_dist_alone(tmp_path):
     assert "reactor_dist/py.typed" in names and "reactor_dist/__init__.py" in names
     assert "License-Expression: Apache-2.0" in metadata
     assert "reactor-dist = reactor_dist.__main__:main" in scripts
-    assert "reactor-dist-worker = reactor_dist.rank:main" in scripts
+    assert "reactor-dist-rank = reactor_dist.rank:main" in scripts  # the rank script
+    assert "reactor-dist-worker = reactor_dist.rank:main" in scripts  # deprecated alias
 
 
 def make_dry_run(target: str, venv: str) -> list[str]:
