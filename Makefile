@@ -7,13 +7,15 @@ PY     := $(VENV)/bin/python
 # local wheel cache or mirror that holds the CPU build gives that one. Choose on purpose,
 # e.g. make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 TORCH_SPEC ?= torch==2.13.0
-# Ray for placement="ray" and its tests, likewise installed first when absent.
+# Ray for placement="ray", its tests and the bench's Ray rows, likewise installed first
+# when absent, and only by the targets that use it (test, test-slow, bench, bench-quick):
+# the base venv (demo, lint, stress, the other benches) stays without it.
 RAY_SPEC ?= ray==2.60.0
 # Ray, in every target: simulated nodes on 127.0.0.1, no usage reports.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER = 0
 export RAY_USAGE_STATS_ENABLED = 0
 
-.PHONY: venv test test-slow prometheus metrics-dashboard stress demo bench bench-quick bench-per-call bench-pipelined bench-recovery gpu-check lint clean
+.PHONY: venv venv-ray test test-slow prometheus metrics-dashboard stress demo bench bench-quick bench-per-call bench-pipelined bench-recovery gpu-check lint clean
 
 venv: $(VENV)/.installed
 
@@ -22,14 +24,20 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# A torch already in the environment is kept; else TORCH_SPEC (see above).
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -c "import ray" 2>/dev/null || $(PY) -m pip install -q $(RAY_SPEC)
-	$(PY) -m pip install -q -e ".[dev,ray,metrics]"
+	$(PY) -m pip install -q -e ".[dev,metrics]"
 	touch $@
 
-test: venv
+venv-ray: $(VENV)/.ray-installed
+
+$(VENV)/.ray-installed: $(VENV)/.installed
+	$(PY) -c "import ray" 2>/dev/null || $(PY) -m pip install -q $(RAY_SPEC)
+	$(PY) -m pip install -q -e ".[ray]"
+	touch $@
+
+test: venv-ray
 	$(PY) -m pytest -q
 
-test-slow: venv prometheus
+test-slow: venv-ray prometheus
 	$(PY) -m pytest -q -m slow
 
 # Debian's Prometheus server, for tests/test_prometheus_server.py (slow), installed when
@@ -58,11 +66,11 @@ metrics-dashboard: venv prometheus
 	$(PY) -m benchmarks.metrics_dashboard
 
 # A full run also rewrites README.md's Performance section (between its bench markers).
-bench: venv
+bench: venv-ray
 	$(PY) -m benchmarks.run
 
 # Results under benchmarks/results/ only; README.md is left alone.
-bench-quick: venv
+bench-quick: venv-ray
 	$(PY) -m benchmarks.run --quick
 
 # The per-call row alone: runner.generate(1) in a plain loop against bare pyzmq echo peers.

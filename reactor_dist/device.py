@@ -12,18 +12,43 @@ def maybe_cuda() -> bool:
     return os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia")
 
 
+def surely_cpu(requested: str) -> bool:
+    """Whether ranks asked for ``requested`` compute on the CPU, known without torch:
+    "cpu", or "auto" on a machine without an NVIDIA driver."""
+    return requested == "cpu" or (requested == "auto" and not maybe_cuda())
+
+
+def device_kind(requested: str) -> str:
+    """``requested`` ("auto", "cpu", "cuda") resolved on this machine to "cpu" or "cuda",
+    as every rank resolves it: "auto" is CUDA when torch sees a GPU, else the CPU.
+    torch is imported only where an NVIDIA driver is."""
+    if surely_cpu(requested):
+        return "cpu"
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if requested == "cuda":
+        raise RuntimeError("device='cuda' was asked for, but torch sees no CUDA device")
+    return "cpu"
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity, which taskset or a container's
+    cpuset narrows; every core where the platform has no affinity)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def choose_device(requested: str, rank: int, index: int | None = None) -> str:
     """``requested`` ("auto", "cpu", "cuda") made concrete for ``rank``: its GPU is the
     ``index``-th visible one (Ray shows each rank its own GPU alone: 0), by default
     the ``rank``-th."""
-    if requested == "cpu" or (requested == "auto" and not maybe_cuda()):
+    if device_kind(requested) == "cpu":
         return "cpu"
     import torch
 
-    if not torch.cuda.is_available():
-        if requested == "cuda":
-            raise RuntimeError("device='cuda' was asked for, but torch sees no CUDA device")
-        return "cpu"
     count = torch.cuda.device_count()
     gpu = rank if index is None else index
     if gpu >= count:

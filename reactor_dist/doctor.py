@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import descriptors, shm
+from .device import device_kind, usable_cores
 from .worker import DistributedWorker
 
 MiB = 1 << 20
@@ -109,7 +110,7 @@ def check_gpus(world_size: int, device: str) -> list[Check]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     shown = "<unset: every GPU>" if visible is None else repr(visible)
     if device == "cpu":
-        return [Check("CUDA_VISIBLE_DEVICES", None, f"{shown} (not used with --device cpu)")]
+        return [Check("CUDA_VISIBLE_DEVICES", None, f"{shown} (not used on cpu)")]
     checks = []
     if visible is not None and not visible.strip():
         checks.append(Check("CUDA_VISIBLE_DEVICES", False, f"{shown}: hides every GPU",
@@ -158,6 +159,20 @@ def check_limits(device: str, world_size: int) -> list[Check]:
     return checks
 
 
+def check_cores(world_size: int, device: str) -> Check:
+    """A core per rank on the CPU: ranks that share cores start slowly and answer slowly.
+    On CUDA the GPUs compute, so the count is information only."""
+    cores = usable_cores()
+    found = f"{cores} usable by this process, for {world_size} rank{'s' * (world_size != 1)}"
+    if device != "cpu":
+        return Check("CPU cores", None, f"{found} (they compute on GPUs)")
+    if cores >= world_size:
+        return Check("CPU cores", True, f"{found} on cpu: a core per rank")
+    return Check("CPU cores", False, f"{found} on cpu: they share the cores (a slow start, "
+                 f"slow calls)", f"lower --world-size to {cores}, or run the ranks on GPUs "
+                 f"(--device cuda)")
+
+
 def check_pidfd() -> Check:
     try:
         fd = os.pidfd_open(os.getpid())
@@ -199,7 +214,7 @@ def run_checks(world_size: int, device: str, frame_bytes: int = FRAME_BYTES,
     checks += check_gpus(world_size, device)
     checks += check_torch(device)
     checks += check_limits(device, world_size)
-    checks.append(check_pidfd())
+    checks += [check_cores(world_size, device), check_pidfd()]
     if smoke_run:
         checks.append(smoke(world_size, device, frame_bytes))
     return checks
@@ -235,21 +250,24 @@ def main(argv: list[str] | None = None) -> int:
         description="Check that this machine can run a DistributedRunner, then run one.")
     parser.add_argument("--world-size", type=int, default=None,
                         help="ranks to check for (default: the visible GPUs, else 2)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="default: cuda if torch sees a GPU, else cpu")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto (the default, as the runner's): cuda if torch sees a "
+                        "GPU, else cpu")
     parser.add_argument("--frame-mb", type=float, default=FRAME_BYTES / MiB,
                         help="the size of the frames the application returns (MiB)")
     parser.add_argument("--shm-dir", default=shm.DEFAULT_DIR)
     parser.add_argument("--no-smoke", action="store_true", help="skip the smoke run")
     args = parser.parse_args(argv)
-    device, world_size = args.device, args.world_size
-    if device is None or world_size is None:
-        gpus = visible_gpus()
-        device = device or ("cuda" if gpus else "cpu")
-        world_size = world_size or (gpus if device == "cuda" and gpus else 2)
+    device = device_kind("auto") if args.device == "auto" else args.device
+    world_size = args.world_size
+    if world_size is None:
+        gpus = visible_gpus() if device == "cuda" else 0
+        world_size = gpus or 2
     if world_size < 1:
         parser.error("--world-size must be at least 1")
-    print(f"reactor-dist doctor: world_size={world_size}, device={device}")
+    chosen = "" if args.device != "auto" else " (--device auto: torch sees " + \
+        ("a CUDA device)" if device == "cuda" else "no CUDA device)")
+    print(f"reactor-dist doctor: world_size={world_size}, device={device}{chosen}")
     checks = run_checks(world_size, device, int(args.frame_mb * MiB), args.shm_dir,
                         not args.no_smoke)
     print(table(checks))

@@ -29,7 +29,7 @@ from time import perf_counter
 from types import EllipsisType
 from typing import Any
 
-from . import aio, blocking
+from . import aio, blocking, validation
 from .call_queue import CLOSED, HEALTHY, NEW, UNUSABLE, CallQueue
 from .observers import Observer, tell
 from .placement import check_ray_options
@@ -116,6 +116,7 @@ class DistributedRunner:
                              "GPUs (ray_bundle); leave gpus out" if gpus is not None else
                              "rank_output='log' does not apply with placement='ray': Ray "
                              "forwards the ranks' output lines (log_to_driver)")
+        validation.warn_if_cores_short(world_size, device, placement)
         env = {str(k): str(v) for k, v in (env or {}).items()}
         self._gpus, self._device = gpus, device
         self._placement = placement

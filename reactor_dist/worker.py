@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from .device import usable_cores
+
 
 class DistributedWorker:
     """One rank of a parallel model.
@@ -77,5 +79,4 @@ def share_cpu_cores(world_size: int, device: str) -> None:
         return
     import torch
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(max(1, (cores or 1) // world_size))
+    torch.set_num_threads(max(1, usable_cores() // world_size))

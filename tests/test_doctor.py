@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import torch
+
 from reactor_dist import doctor
 from reactor_dist.__main__ import main as cli
 
@@ -24,7 +26,7 @@ def test_doctor_passes_on_this_machine_with_two_cpu_ranks():
     lines = out.stdout.splitlines()
     assert lines[0] == "reactor-dist doctor: world_size=2, device=cpu"
     for name in ("shared memory", "CUDA_VISIBLE_DEVICES", "torch", "open files limit",
-                 "locked memory limit", "pidfd", "smoke run"):
+                 "locked memory limit", "CPU cores", "pidfd", "smoke run"):
         (row,) = [line for line in lines if line[2:].startswith(name + " ")]
         assert row[0] in "✓·", row
     assert any(line.startswith("✓ smoke run") and "16 MiB frame back" in line for line in lines)
@@ -71,3 +73,41 @@ def test_the_command_line(capsys):
     assert cli([]) == 2 and "usage: reactor-dist {doctor}" in capsys.readouterr().err
     assert cli(["nope"]) == 2 and "unknown command 'nope'" in capsys.readouterr().err
     assert cli(["--help"]) == 0 and "doctor" in capsys.readouterr().out
+
+
+def test_device_auto_is_accepted_and_the_default_and_names_the_device_it_chose():
+    # "auto" is the runner's default; doctor resolves it the way the ranks do.
+    chosen = "cuda" if torch.cuda.is_available() else "cpu"
+    sees = "a CUDA device" if chosen == "cuda" else "no CUDA device"
+    first = (f"reactor-dist doctor: world_size=2, device={chosen} "
+             f"(--device auto: torch sees {sees})")
+    out = run_doctor("--device", "auto", "--world-size", "2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == first and lines[-1] == "all checks passed"
+    assert any(line.startswith("✓ smoke run") and f"2 ranks on {chosen}:" in line
+               for line in lines)
+    default = run_doctor("--world-size", "2", "--no-smoke")  # no --device: auto
+    assert default.stdout.splitlines()[0] == first, default.stdout + default.stderr
+
+
+def test_cpu_ranks_need_a_core_each():
+    cores = len(os.sched_getaffinity(0))
+    s = "s" if cores != 1 else ""
+    assert doctor.check_cores(cores, "cpu") == doctor.Check(
+        "CPU cores", True, f"{cores} usable by this process, for {cores} rank{s} on cpu: "
+        f"a core per rank")
+    # On CUDA the GPUs compute: the cores are information only.
+    assert doctor.check_cores(cores + 1, "cuda") == doctor.Check(
+        "CPU cores", None, f"{cores} usable by this process, for {cores + 1} ranks "
+        f"(they compute on GPUs)")
+    out = run_doctor("--device", "cpu", "--world-size", str(cores + 1), "--no-smoke")
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    (row,) = [i for i, line in enumerate(lines) if line.startswith("✗ CPU cores ")]
+    assert lines[row].split(None, 3)[3] == (
+        f"{cores} usable by this process, for {cores + 1} ranks on cpu: they share the "
+        f"cores (a slow start, slow calls)")
+    assert lines[row + 1].strip() == (f"fix: lower --world-size to {cores}, or run the "
+                                      f"ranks on GPUs (--device cuda)")
+    assert lines[-1] == "1 check failed"
