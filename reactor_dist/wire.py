@@ -15,7 +15,7 @@ alone for a one-frame message, else over every frame, length-prefixed, with a
 different personalization so the two forms can never be confused.  (BLAKE2 is a
 MAC when keyed; unlike HMAC-SHA256 through OpenSSL it is one small C call, and
 on a 2-core machine the four MACs of an empty call cost 25 us the other way.)
-:func:`unpack` checks the MAC before it even decodes the header, so nothing a
+:meth:`Channel.unpack` checks the MAC before it even decodes the header, so nothing a
 stranger sends is ever parsed, let alone unpickled.  Every malformed message
 raises :class:`ProtocolError`.
 
@@ -48,8 +48,8 @@ from .protocol import (
     Kind,
 )
 
-__all__ = ["MAC_SIZE", "SECRET_SIZE", "EMBED_LIMIT", "Channel", "ProtocolError", "pack",
-           "unpack", "send", "direct_send", "MAX_FRAME", "MAX_MESSAGE", "bounded"]
+__all__ = ["MAC_SIZE", "SECRET_SIZE", "EMBED_LIMIT", "Channel", "ProtocolError", "send",
+           "direct_send", "MAX_FRAME", "MAX_MESSAGE", "bounded"]
 
 _SNDMORE = int(zmq.SNDMORE)
 MAX_FRAME = int(os.environ.get(MAX_FRAME_ENV) or MAX_FRAME_DEFAULT)
@@ -170,20 +170,6 @@ class Channel:
             raise ProtocolError(f"a message of {size >> 20} MiB, over the bound of "
                                 f"{MAX_MESSAGE >> 20} MiB ({MAX_MESSAGE_ENV})")
         return self.unpack(parts)
-
-
-def pack(secret: bytes, header: dict[str, Any], body: Sequence[Any] = ()) -> list[Any]:
-    """:meth:`Channel.pack` for a one-off message."""
-    return Channel(secret).pack(header, body)
-
-
-def unpack(secret: bytes, parts: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
-    """:meth:`Channel.unpack` for a one-off message."""
-    return Channel(secret).unpack(parts)
-
-
-def _mac(secret: bytes, frames: Sequence[Any]) -> bytes:
-    return Channel(secret).mac(frames)
 
 
 def send(send_frame: Callable[..., Any], frames: Sequence[Any]) -> None:

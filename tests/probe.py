@@ -1,5 +1,9 @@
 """The one place tests look inside a runner: the pids, names and paths that no public
-API gives, and which the process, cleanup and trust tests must check."""
+API gives, and which the process, cleanup and trust tests must check.
+
+No other test module reaches a private name of reactor_dist (tests/test_seams.py
+enforces it): what a test needs from inside is a small documented member here, so that
+a change inside the library shows up in one file."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import psutil
 import zmq
 
 from reactor_dist import DistributedRunner
+from reactor_dist.bus import Bus
 from reactor_dist.protocol import MARK_ENV
 
 
@@ -70,11 +75,26 @@ class Probe:
 
     @property
     def ipc_dir(self) -> str | None:
+        """The runner's private directory of ipc:// endpoints (``ipc://{ipc_dir}/reply``
+        is the reply socket's)."""
         return self._supervisor.ipc_dir
 
     @property
     def secret(self) -> bytes:
+        """The per-runner secret every message is signed with (wire.Channel(secret))."""
         return self._supervisor.secret
+
+    @property
+    def bus(self) -> Bus:
+        """The runner's two ZeroMQ sockets (bus.Bus): to publish a command the runner
+        would not send, or to read replies past the call queue."""
+        return self._supervisor.bus
+
+    @property
+    def releaser_wake_fd(self) -> int:
+        """The file descriptor number of the releaser's wake pipe (its write end): closed
+        at shutdown, after which nothing may write to that number again."""
+        return self._supervisor.releaser._write
 
     def cut_a_command_short(self) -> None:
         """Leave the command socket as a Ctrl-C in the middle of a send leaves it."""

@@ -1,6 +1,6 @@
 """Fuzzing the header/frame decoder and the runner's waiting loop.
 
-``wire.unpack`` must turn every message that is not an authentic, well-formed one
+``wire.Channel.unpack`` must turn every message that is not an authentic, well-formed one
 into ``wire.ProtocolError`` (never another exception, never a hang), and accept
 only headers whose kind, sequence number and rank have the right types.  A live
 runner's waiting loop must shrug off a burst of such messages in the middle of a
@@ -28,6 +28,7 @@ from reactor_dist import DistributedRunner, wire
 from reactor_dist.protocol import Field, Kind, Status
 
 SECRET = bytes(range(32))
+CHANNEL = wire.Channel(SECRET)
 KINDS = sorted(Kind.ALL)
 FUZZ = settings(max_examples=400, deadline=1000, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -63,13 +64,13 @@ headers = st.tuples(
 
 def signed(head: bytes, body: list[bytes]) -> list[bytes]:
     """A message with a valid MAC around an arbitrary header frame."""
-    return [wire._mac(SECRET, [head, *body]) + head, *body]
+    return [CHANNEL.mac([head, *body]) + head, *body]
 
 
 def check(parts) -> None:
     """unpack either refuses with ProtocolError or returns a header that passed every check."""
     try:
-        header, body = wire.unpack(SECRET, parts)
+        header, body = CHANNEL.unpack(parts)
     except wire.ProtocolError as exc:
         assert str(exc)  # a clear internal error, never an empty one
         return
@@ -87,7 +88,7 @@ def check(parts) -> None:
 @given(as_frames)
 def test_arbitrary_multipart_messages_are_rejected(parts):
     with pytest.raises(wire.ProtocolError):
-        wire.unpack(SECRET, parts)
+        CHANNEL.unpack(parts)
 
 
 @FUZZ
@@ -112,14 +113,14 @@ def test_header_maps_near_the_valid_ones(header, body):
 @given(st.sampled_from(KINDS), st.integers(0, 2 ** 63 - 1), st.integers(-1, 7),
        st.binary(min_size=1, max_size=200), st.integers(0, 10 ** 6), st.integers(0, 255))
 def test_any_alteration_of_an_authentic_message_is_rejected(kind, seq, rank, payload, at, bit):
-    parts = wire.pack(SECRET, {Field.KIND: kind, Field.SEQ: seq, Field.RANK: rank}, [payload])
-    assert wire.unpack(SECRET, parts)[0] == {Field.KIND: kind, Field.SEQ: seq, Field.RANK: rank}
+    parts = CHANNEL.pack({Field.KIND: kind, Field.SEQ: seq, Field.RANK: rank}, [payload])
+    assert CHANNEL.unpack(parts)[0] == {Field.KIND: kind, Field.SEQ: seq, Field.RANK: rank}
     flat = bytearray(b"".join(parts))
     at %= len(flat)
     flat[at] ^= 1 << (bit % 8)
     cut = len(parts[0])
     with pytest.raises(wire.ProtocolError):
-        wire.unpack(SECRET, [bytes(flat[:cut]), bytes(flat[cut:])])
+        CHANNEL.unpack([bytes(flat[:cut]), bytes(flat[cut:])])
 
 
 @pytest.mark.parametrize("head", [
@@ -137,7 +138,7 @@ def test_any_alteration_of_an_authentic_message_is_rejected(kind, seq, rank, pay
 def test_nasty_msgpack_with_a_valid_mac_is_rejected_quickly(head):
     started = time.monotonic()
     with pytest.raises(wire.ProtocolError):
-        wire.unpack(SECRET, signed(head, []))
+        CHANNEL.unpack(signed(head, []))
     assert time.monotonic() - started < 0.5
 
 
@@ -152,7 +153,7 @@ def random_message(rng: random.Random) -> list[bytes]:
               Field.DESCRIPTORS: []}
     head = msgpack.packb(header)
     if choice == 1:   # signed with the wrong secret
-        return wire.pack(rng.randbytes(32), header, [rng.randbytes(20)])
+        return wire.Channel(rng.randbytes(32)).pack(header, [rng.randbytes(20)])
     if choice == 2:   # a zero MAC
         return [b"\0" * 32 + head, rng.randbytes(20)]
     if choice == 3:   # truncated

@@ -24,6 +24,7 @@ import psutil
 import pytest
 import test_runner_death
 import zmq
+from probe import Probe
 from sample_workers import Echo, FullArray, Step
 
 from reactor_dist import DistributedRunner, SharedMemoryExhausted, WorkerCrashed, shm, wire
@@ -120,7 +121,7 @@ def test_a_directory_squatting_on_a_runners_names_never_stops_its_shutdown(tmp_p
     try:
         with small_runner() as runner:
             runner.generate(np.ones(1 << 20, np.uint8))
-            squat = f"{shm.DEFAULT_DIR}/{runner._supervisor.shm_prefix}.in99"
+            squat = f"{shm.DEFAULT_DIR}/{Probe(runner).shm_prefix}.in99"
             os.mkdir(squat)
         assert os.path.isdir(squat)
     finally:
@@ -143,7 +144,7 @@ def test_ranks_end_after_a_sigkilled_runner_whatever_squats_in_dev_shm(apps):
 def test_names_taken_in_advance_do_not_stop_calls():
     """Whoever sees one name cannot take the next ones: names carry a random token."""
     runner = small_runner()
-    prefix = f"{shm.DEFAULT_DIR}/{runner._supervisor.shm_prefix}."
+    prefix = f"{shm.DEFAULT_DIR}/{Probe(runner).shm_prefix}."
     squatted = [f"{prefix}{tag}{n}" for tag in ("in", "r0-") for n in range(1, 40)]
     for path in squatted:
         open(path, "x").close()
@@ -189,7 +190,7 @@ def test_shutdown_never_signals_the_group_of_a_rank_whose_pid_passed_on():
         pytest.skip("choosing the next pid (ns_last_pid) takes root")
     stand_in = None
     with small_runner() as runner:
-        victim = runner._supervisor.ranks.procs[1].pid
+        victim = Probe(runner).rank_pids[1]
         os.kill(victim, signal.SIGKILL)
         with pytest.raises(WorkerCrashed):
             runner.generate(1)  # the crash is reported: its exit status was read
@@ -250,8 +251,6 @@ def without_results(names) -> list[str]:
 
 
 def namespaced_beside_host(script: str, shm_dir: str) -> None:
-    from probe import Probe
-
     with small_runner(shm_dir=shm_dir) as host:
         host_dir = Probe(host).ipc_dir
         app = subprocess.Popen(
@@ -312,7 +311,7 @@ def test_huge_forged_frames_cost_the_runner_no_memory_and_no_call(tmp_path):
         peak_rss_reset()
         before = peak_rss()
         flood = subprocess.Popen([sys.executable, "-c", FLOOD,
-                                  f"ipc://{runner._supervisor.ipc_dir}/reply"])
+                                  f"ipc://{Probe(runner).ipc_dir}/reply"])
         try:
             deadline = time.monotonic() + 4
             calls = 0
@@ -335,7 +334,7 @@ def test_forged_frames_under_the_bound_are_never_copied_before_their_mac_fails()
         tracemalloc.start()
         try:
             flood = subprocess.Popen([sys.executable, "-c", FLOOD,
-                                      f"ipc://{runner._supervisor.ipc_dir}/reply", str(200 << 20)])
+                                      f"ipc://{Probe(runner).ipc_dir}/reply", str(200 << 20)])
             try:
                 calls = 0
                 while flood.poll() is None and calls < 2000:
@@ -419,8 +418,6 @@ def test_a_non_contiguous_input_too_big_for_shm_fails_before_any_copy(monkeypatc
 def test_the_group_meets_in_a_store_only_the_runners_user_can_reach():
     """The torch.distributed rendezvous is a FileStore in the private 0700 directory,
     not a TCP port on loopback that any local user could connect to."""
-    from probe import Probe
-
     with DistributedRunner(Echo, world_size=2, init_process_group=True, device="cpu") as runner:
         private = Probe(runner).ipc_dir
         assert "store" in os.listdir(private)

@@ -150,13 +150,29 @@ def test_share_cpu_cores_gives_each_cpu_rank_its_share(world_size, monkeypatch):
     assert threads == max(1, len(os.sched_getaffinity(0)) // world_size)
 
 
+TWO_AUTO_RUNNERS = textwrap.dedent("""
+    import logging
+    from sample_workers import Echo
+    from reactor_dist import DistributedRunner
+
+    if __name__ == "__main__":
+        logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
+        for _ in range(2):
+            with DistributedRunner(Echo, world_size=1, init_process_group=False):
+                pass
+""")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is for machines without CUDA")
-def test_device_auto_without_cuda_warns_once_per_process(caplog, monkeypatch):
-    monkeypatch.setattr("reactor_dist.runner._warned_auto_cpu", False)
-    caplog.set_level(logging.WARNING, logger="reactor_dist")
-    for _ in range(2):
-        with DistributedRunner(Echo, world_size=1, init_process_group=False):
-            pass
-    (record,) = [r for r in caplog.records if r.name == "reactor_dist"]
-    assert record.getMessage().startswith('device="auto" found no CUDA device: the ranks run '
-                                          'on CPU')
+def test_device_auto_without_cuda_warns_once_per_process(tmp_path):
+    """Two runners in a fresh process (whose first runner is the first to warn): one warning."""
+    script = tmp_path / "two_auto_runners.py"
+    script.write_text(TWO_AUTO_RUNNERS)
+    tests = os.path.join(REPO, "tests")
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, tests])))
+    assert out.returncode == 0, out.stderr
+    assert [line for line in out.stderr.splitlines() if line.startswith("reactor_dist ")] == [
+        'reactor_dist WARNING device="auto" found no CUDA device: the ranks run on CPU '
+        '(pass device="cpu" to say so and silence this)']

@@ -22,6 +22,7 @@ import time
 import psutil
 import pytest
 from bus_workers import CountLoads
+from probe import Probe
 
 from reactor_dist import DistributedRunner, WorkerTimeout
 from reactor_dist.bus import Bus, CommandBlocked, private_dir
@@ -128,14 +129,13 @@ def test_start_and_calls_complete_past_the_bound_of_a_stopped_rank(monkeypatch):
                                init_process_group=False, start_timeout=60, call_timeout=60)
     with runner:
         assert runner.generate(b"x") == 1
-        rank1 = runner._supervisor.ranks.procs[1].pid
+        rank1 = Probe(runner).rank_pids[1]
         stop(rank1)
         resume = threading.Timer(1.0, os.kill, (rank1, signal.SIGCONT))
         try:
             fill_the_stopped_ranks_pipe(runner)
             # Rank 1's pipe is full now: a command would be refused (a PING is harmless).
-            assert not runner._supervisor.bus.try_publish({Field.KIND: Kind.PING,
-                                                          Field.SEQ: 0})
+            assert not Probe(runner).bus.try_publish({Field.KIND: Kind.PING, Field.SEQ: 0})
             resume.start()
             assert runner.generate(bytes(BIG) + b"!") == BIG + 1
             assert runner.generate(b"after") == 5
@@ -164,7 +164,7 @@ def test_a_call_that_cannot_be_handed_over_names_the_stopped_rank(monkeypatch):
     runner = DistributedRunner(CountLoads, world_size=2, device="cpu", max_in_flight=3,
                                init_process_group=False, start_timeout=60, call_timeout=60)
     with runner:
-        rank1 = runner._supervisor.ranks.procs[1].pid
+        rank1 = Probe(runner).rank_pids[1]
         stop(rank1)
         try:
             fill_the_stopped_ranks_pipe(runner)
@@ -180,7 +180,7 @@ def test_a_repeated_init_answers_ready_again_without_a_second_load(log_dir):
     runner = DistributedRunner(CountLoads, world_size=2, device="cpu",
                                init_process_group=False, load_kwargs={"log_dir": log_dir})
     with runner:
-        bus = runner._supervisor.bus
+        bus = Probe(runner).bus
         bus.publish({Field.KIND: Kind.INIT, Field.SEQ: 0, Field.PORT: 0},
                     deadline=time.monotonic() + 30)
         ready: dict[int, dict] = {}

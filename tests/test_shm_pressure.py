@@ -16,6 +16,7 @@ import sys
 
 import pytest
 from conftest import segment_of
+from probe import Probe
 from sample_workers import Echo, FullArray, SlowArray
 
 from reactor_dist import DistributedRunner
@@ -87,7 +88,7 @@ def test_a_result_kept_past_shutdown_writes_to_no_descriptor_of_ours_when_droppe
     with DistributedRunner(Echo, world_size=2, init_process_group=False,
                            device="cpu") as runner:
         kept = runner.generate(FullArray((1 << 20,), fill=3))
-        number = runner._supervisor.releaser._write
+        number = Probe(runner).releaser_wake_fd
     read, write = os.pipe()
     os.dup2(write, number)  # a file of ours now has the releaser's old number
     try:

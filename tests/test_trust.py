@@ -266,8 +266,8 @@ def test_an_authentic_message_altered_in_any_way_is_rejected(tamper, stream):
     secret = os.urandom(wire.SECRET_SIZE)
     header = {Field.KIND: Kind.REPLY, Field.SEQ: 7, Field.RANK: 0, Field.STATUS: Status.OK,
               Field.DESCRIPTORS: []}
-    parts = wire.pack(secret, header, [stream, b"buffer"])
-    header, body = wire.unpack(secret, parts)
+    parts = wire.Channel(secret).pack(header, [stream, b"buffer"])
+    header, body = wire.Channel(secret).unpack(parts)
     assert header[Field.SEQ] == 7 and body == [stream, b"buffer"]
     assert len(parts) == (2 if len(stream) <= wire.EMBED_LIMIT else 3)
     parts = [bytearray(p) for p in parts]
@@ -284,22 +284,22 @@ def test_an_authentic_message_altered_in_any_way_is_rejected(tamper, stream):
     else:
         secret = os.urandom(wire.SECRET_SIZE)
     with pytest.raises(wire.ProtocolError, match="MAC"):
-        wire.unpack(secret, [bytes(p) for p in parts])
+        wire.Channel(secret).unpack([bytes(p) for p in parts])
 
 
 def test_a_one_frame_message_and_its_split_form_have_different_macs():
     """The MAC of a lone header frame and of length-prefixed frames are personalized
     differently, so no frame split can turn one authentic message into another."""
-    secret = os.urandom(wire.SECRET_SIZE)
-    (frame,) = wire.pack(secret, {Field.KIND: Kind.REPLY, Field.SEQ: 7, Field.RANK: 0}, [b"tiny"])
+    channel = wire.Channel(os.urandom(wire.SECRET_SIZE))
+    (frame,) = channel.pack({Field.KIND: Kind.REPLY, Field.SEQ: 7, Field.RANK: 0}, [b"tiny"])
     head = frame[wire.MAC_SIZE:]
-    assert wire._mac(secret, [head]) != wire._mac(secret, [head[:5], head[5:]])
-    assert wire._mac(secret, [head]) != wire._mac(secret, [head, b""])
+    assert channel.mac([head]) != channel.mac([head[:5], head[5:]])
+    assert channel.mac([head]) != channel.mac([head, b""])
 
 
 def test_an_embedded_body_that_is_not_bytes_is_rejected():
-    secret = os.urandom(wire.SECRET_SIZE)
+    channel = wire.Channel(os.urandom(wire.SECRET_SIZE))
     head = msgpack.packb({Field.KIND: Kind.REPLY, Field.SEQ: 7, Field.RANK: 0,
                           Field.EMBEDDED: "text"}, use_bin_type=True)
     with pytest.raises(wire.ProtocolError, match="embedded body frame is str"):
-        wire.unpack(secret, [wire._mac(secret, [head]) + head])
+        channel.unpack([channel.mac([head]) + head])
