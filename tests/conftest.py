@@ -6,11 +6,13 @@ import glob
 import os
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import psutil
 import pytest
 
-from reactor_dist import shm
+from reactor_dist import DistributedRunner, shm
 
 # Every process the tests start inherits this (ranks, their children, apps in subprocesses):
 # it finds the ones that left the process tree (setsid, reparented to init).
@@ -112,3 +114,26 @@ def log_dir(tmp_path):
     path = tmp_path / "logs"
     path.mkdir()
     return str(path)
+
+
+@pytest.fixture
+def runner_for() -> Iterator[Callable[..., DistributedRunner]]:
+    """Runners with the tests' defaults: ``runner_for(worker, world_size=2, **options)``
+    is a new (not started) DistributedRunner of ``worker`` on ``device="cpu"``, with no
+    torch group (``init_process_group=False``) and a 20 s ``call_timeout`` unless
+    ``options`` say otherwise; used as ``with runner_for(Echo) as runner:``.  A runner it
+    made that the test left running is shut down after the test (before the check that
+    nothing was left behind)."""
+    made: list[DistributedRunner] = []
+
+    def make(worker: type, world_size: int = 2, **options: Any) -> DistributedRunner:
+        options.setdefault("device", "cpu")
+        options.setdefault("init_process_group", False)
+        options.setdefault("call_timeout", 20.0)
+        runner = DistributedRunner(worker, world_size=world_size, **options)
+        made.append(runner)
+        return runner
+
+    yield make
+    for runner in made:
+        runner.shutdown()

@@ -11,15 +11,7 @@ import pytest
 from sample_workers import FAULT, Echo, ExitsOnRank, Raises, Sleep
 from stream_workers import Counts, RaisesAfter, Slow
 
-from reactor_dist import DistributedRunner, RankDesync, WorkerCrashed, WorkerTimeout
-
-
-def runner_for(cls, **kw):
-    kw.setdefault("world_size", 2)
-    kw.setdefault("init_process_group", False)
-    kw.setdefault("device", "cpu")
-    kw.setdefault("call_timeout", 20.0)
-    return DistributedRunner(cls, **kw)
+from reactor_dist import RankDesync, WorkerCrashed, WorkerTimeout
 
 
 async def ticking(during) -> list[float]:
@@ -40,7 +32,7 @@ async def ticking(during) -> list[float]:
     return [b - a for a, b in zip(ticks, ticks[1:], strict=False)]
 
 
-def test_the_loop_keeps_ticking_during_a_half_second_call():
+def test_the_loop_keeps_ticking_during_a_half_second_call(runner_for):
     async def main():
         async with runner_for(Echo) as runner:
             gaps = await ticking(runner.agenerate(Sleep(0.5, "slept")))
@@ -52,7 +44,7 @@ def test_the_loop_keeps_ticking_during_a_half_second_call():
     assert max(gaps) < 0.1, f"the loop stalled for {max(gaps) * 1000:.0f} ms"
 
 
-def test_tasks_take_turns_in_the_order_they_called():
+def test_tasks_take_turns_in_the_order_they_called(runner_for):
     async def main():
         async with runner_for(Echo) as runner:
             order: list[int] = []
@@ -69,7 +61,7 @@ def test_tasks_take_turns_in_the_order_they_called():
     assert results == [0, 1, 2, 3, 4] and order == [0, 1, 2, 3, 4]
 
 
-def test_a_cancelled_call_raises_at_once_and_the_next_call_gets_its_own_result():
+def test_a_cancelled_call_raises_at_once_and_the_next_call_gets_its_own_result(runner_for):
     async def main():
         async with runner_for(Echo) as runner:
             task = asyncio.create_task(runner.agenerate(Sleep(0.6, "late")))
@@ -87,7 +79,7 @@ def test_a_cancelled_call_raises_at_once_and_the_next_call_gets_its_own_result()
     asyncio.run(main())
 
 
-def test_areset_astream_and_the_error_contract():
+def test_areset_astream_and_the_error_contract(runner_for):
     async def main():
         async with runner_for(RaisesAfter) as runner:
             got = []
@@ -106,7 +98,7 @@ def test_areset_astream_and_the_error_contract():
     asyncio.run(main())
 
 
-def test_same_exception_everywhere_via_agenerate_keeps_the_runner_healthy():
+def test_same_exception_everywhere_via_agenerate_keeps_the_runner_healthy(runner_for):
     async def main():
         async with runner_for(Raises, load_kwargs={"error": ValueError}) as runner:
             with pytest.raises(ValueError, match="boom on rank 0"):
@@ -117,7 +109,7 @@ def test_same_exception_everywhere_via_agenerate_keeps_the_runner_healthy():
     asyncio.run(main())
 
 
-def test_astream_leaving_early_and_the_next_call():
+def test_astream_leaving_early_and_the_next_call(runner_for):
     async def main():
         async with runner_for(Counts) as runner:
             async for item in runner.astream(6):
@@ -133,7 +125,7 @@ def test_astream_leaving_early_and_the_next_call():
     asyncio.run(main())
 
 
-def test_a_timeout_and_a_crash_reach_the_awaiting_task():
+def test_a_timeout_and_a_crash_reach_the_awaiting_task(runner_for):
     async def main():
         async with runner_for(Slow) as runner:
             with pytest.raises(WorkerTimeout, match="no answer from rank 1 within 0.3 s"):
@@ -150,7 +142,7 @@ def test_a_timeout_and_a_crash_reach_the_awaiting_task():
     asyncio.run(main())
 
 
-def test_astream_is_for_async_for_only():
+def test_astream_is_for_async_for_only(runner_for):
     async def main():
         async with runner_for(Counts) as runner:
             with pytest.raises(TypeError, match="iterated with `async for`"):
@@ -163,7 +155,7 @@ def test_astream_is_for_async_for_only():
     asyncio.run(main())
 
 
-def test_a_sync_call_from_another_thread_waits_for_the_async_one():
+def test_a_sync_call_from_another_thread_waits_for_the_async_one(runner_for):
     async def main():
         async with runner_for(Echo) as runner:
             done = []
@@ -178,7 +170,7 @@ def test_a_sync_call_from_another_thread_waits_for_the_async_one():
     asyncio.run(main())
 
 
-def test_one_runner_across_two_event_loops():
+def test_one_runner_across_two_event_loops(runner_for):
     runner = runner_for(Echo)
     runner.start()
     try:

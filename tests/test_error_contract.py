@@ -41,12 +41,6 @@ from reactor_dist import (
 from reactor_dist.errors import RemoteTraceback
 
 
-def runner_for(world_size: int, worker: type = Echo, **kw) -> DistributedRunner:
-    kw.setdefault("init_process_group", False)
-    kw.setdefault("device", "cpu")
-    return DistributedRunner(worker, world_size=world_size, **kw)
-
-
 def assert_unusable(runner: DistributedRunner, cause_type: type) -> None:
     assert not runner.healthy
     for call in (lambda: runner.generate(1), runner.reset):
@@ -56,8 +50,8 @@ def assert_unusable(runner: DistributedRunner, cause_type: type) -> None:
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_every_rank_returned(world_size):
-    with runner_for(world_size) as runner:
+def test_every_rank_returned(world_size, runner_for):
+    with runner_for(Echo, world_size) as runner:
         assert runner.world_size == world_size
         assert runner.generate(ReportEnvironment())["rank"] == 0
         assert runner.generate([1, "two", 3.0]) == [1, "two", 3.0]
@@ -66,8 +60,8 @@ def test_every_rank_returned(world_size):
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_same_exception_everywhere_is_rank0s_and_runner_stays_healthy(world_size):
-    with runner_for(world_size, Raises, load_kwargs={"error": ZeroDivisionError}) as runner:
+def test_same_exception_everywhere_is_rank0s_and_runner_stays_healthy(world_size, runner_for):
+    with runner_for(Raises, world_size, load_kwargs={"error": ZeroDivisionError}) as runner:
         with pytest.raises(ZeroDivisionError) as info:
             runner.generate(FAULT)
         assert info.value.args == ("boom on rank 0",)
@@ -78,8 +72,8 @@ def test_same_exception_everywhere_is_rank0s_and_runner_stays_healthy(world_size
         assert runner.generate("still works") == "still works"
 
 
-def test_some_ranks_raised_is_desync():
-    with runner_for(2, Raises, load_kwargs={"error": KeyError, "rank": 1}) as runner:
+def test_some_ranks_raised_is_desync(runner_for):
+    with runner_for(Raises, 2, load_kwargs={"error": KeyError, "rank": 1}) as runner:
         with pytest.raises(RankDesync) as info:
             runner.generate(FAULT)
         assert "rank 1 raised KeyError" in str(info.value)
@@ -88,8 +82,8 @@ def test_some_ranks_raised_is_desync():
         assert_unusable(runner, RankDesync)
 
 
-def test_different_types_is_desync_naming_each():
-    with runner_for(2, RaisesPerRank, load_kwargs={"errors": [ValueError, KeyError]}) as runner:
+def test_different_types_is_desync_naming_each(runner_for):
+    with runner_for(RaisesPerRank, 2, load_kwargs={"errors": [ValueError, KeyError]}) as runner:
         with pytest.raises(RankDesync) as info:
             runner.generate(FAULT)
         assert "rank 0 raised ValueError, rank 1 raised KeyError" in str(info.value)
@@ -97,9 +91,9 @@ def test_different_types_is_desync_naming_each():
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_exit_is_reported_within_a_second_with_code_and_output(world_size):
+def test_exit_is_reported_within_a_second_with_code_and_output(world_size, runner_for):
     rank = world_size - 1
-    with runner_for(world_size, ExitsOnRank, load_kwargs={"rank": rank, "code": 3},
+    with runner_for(ExitsOnRank, world_size, load_kwargs={"rank": rank, "code": 3},
                     call_timeout=30) as runner:
         started = time.monotonic()
         with pytest.raises(WorkerCrashed) as info:
@@ -112,23 +106,23 @@ def test_exit_is_reported_within_a_second_with_code_and_output(world_size):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_signal_death_names_the_signal(sig):
-    with runner_for(2, KillsItselfOnRank, load_kwargs={"rank": 1, "sig": int(sig)}) as runner:
+def test_signal_death_names_the_signal(sig, runner_for):
+    with runner_for(KillsItselfOnRank, 2, load_kwargs={"rank": 1, "sig": int(sig)}) as runner:
         with pytest.raises(WorkerCrashed, match=f"rank 1 died.*killed by {sig.name}"):
             runner.generate(FAULT)
         assert_unusable(runner, WorkerCrashed)
 
 
-def test_segfault_is_a_crash_with_the_faulthandler_dump():
-    with runner_for(2, SegfaultsOnRank, load_kwargs={"rank": 0}) as runner:
+def test_segfault_is_a_crash_with_the_faulthandler_dump(runner_for):
+    with runner_for(SegfaultsOnRank, 2, load_kwargs={"rank": 0}) as runner:
         with pytest.raises(WorkerCrashed) as info:
             runner.generate(FAULT)
         assert "killed by SIGSEGV" in str(info.value)
         assert "Fatal Python error: Segmentation fault" in str(info.value)
 
 
-def test_death_while_idle_is_seen_by_healthy_and_the_next_call():
-    with runner_for(2) as runner:
+def test_death_while_idle_is_seen_by_healthy_and_the_next_call(runner_for):
+    with runner_for(Echo, 2) as runner:
         pid = Probe(runner).rank_pids[1]
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 2
@@ -143,9 +137,9 @@ def test_death_while_idle_is_seen_by_healthy_and_the_next_call():
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_hang_times_out_naming_the_silent_ranks_with_their_stacks(world_size):
+def test_hang_times_out_naming_the_silent_ranks_with_their_stacks(world_size, runner_for):
     silent = world_size - 1
-    with runner_for(world_size, HangsOnRank, load_kwargs={"rank": silent},
+    with runner_for(HangsOnRank, world_size, load_kwargs={"rank": silent},
                     call_timeout=0.5) as runner:
         started = time.monotonic()
         with pytest.raises(WorkerTimeout) as info:
@@ -158,8 +152,8 @@ def test_hang_times_out_naming_the_silent_ranks_with_their_stacks(world_size):
         assert_unusable(runner, WorkerTimeout)
 
 
-def test_per_call_timeout_overrides_call_timeout():
-    with runner_for(1, call_timeout=30) as runner:
+def test_per_call_timeout_overrides_call_timeout(runner_for):
+    with runner_for(Echo, 1, call_timeout=30) as runner:
         assert runner.generate(Sleep(0.2, value=5), timeout=5) == 5
         started = time.monotonic()
         with pytest.raises(WorkerTimeout):
@@ -167,16 +161,16 @@ def test_per_call_timeout_overrides_call_timeout():
         assert time.monotonic() - started < 1.3
 
 
-def test_timeout_mentions_ranks_that_raised_first():
-    with runner_for(2, Rank0RaisesOthersHang, call_timeout=0.5) as runner:
+def test_timeout_mentions_ranks_that_raised_first(runner_for):
+    with runner_for(Rank0RaisesOthersHang, 2, call_timeout=0.5) as runner:
         # rank 0 raises, rank 1 hangs (as it would, waiting for rank 0 in a collective)
         with pytest.raises(WorkerTimeout, match="no answer from rank 1.*rank 0 raised ValueError"):
             runner.generate(FAULT)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_load_error_is_raised_by_start_and_leaves_nothing(world_size):
-    runner = runner_for(world_size, FailsToLoadOnRank, load_kwargs={"rank": world_size - 1})
+def test_load_error_is_raised_by_start_and_leaves_nothing(world_size, runner_for):
+    runner = runner_for(FailsToLoadOnRank, world_size, load_kwargs={"rank": world_size - 1})
     expected = f"weights missing on rank {world_size - 1}"
     with pytest.raises(FileNotFoundError, match=expected) as info:
         runner.start()
@@ -185,16 +179,16 @@ def test_load_error_is_raised_by_start_and_leaves_nothing(world_size):
     assert_unusable(runner, FileNotFoundError)
 
 
-def test_start_timeout_when_load_hangs():
-    runner = runner_for(2, HangsInLoadOnRank, load_kwargs={"rank": 1}, start_timeout=1.0)
+def test_start_timeout_when_load_hangs(runner_for):
+    runner = runner_for(HangsInLoadOnRank, 2, load_kwargs={"rank": 1}, start_timeout=1.0)
     with pytest.raises(WorkerTimeout, match="no answer from rank 1 within 1 s during start"):
         runner.start()
     assert not runner.healthy
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_unpicklable_exception_still_names_type_message_traceback(world_size):
-    with runner_for(world_size, Raises, load_kwargs={"error": Unpicklable}) as runner:
+def test_unpicklable_exception_still_names_type_message_traceback(world_size, runner_for):
+    with runner_for(Raises, world_size, load_kwargs={"error": Unpicklable}) as runner:
         with pytest.raises(RemoteError) as info:
             runner.generate(FAULT)
         assert info.value.type_name == "sample_workers.Unpicklable"
@@ -204,8 +198,8 @@ def test_unpicklable_exception_still_names_type_message_traceback(world_size):
         assert runner.healthy
 
 
-def test_exception_that_pickles_but_does_not_unpickle():
-    with runner_for(2, RaisesNeedsTwoArgs) as runner:
+def test_exception_that_pickles_but_does_not_unpickle(runner_for):
+    with runner_for(RaisesNeedsTwoArgs, 2) as runner:
         with pytest.raises(RemoteError, match="NeedsTwoArgs: left-right"):
             runner.generate(FAULT)
         assert runner.healthy
@@ -213,8 +207,8 @@ def test_exception_that_pickles_but_does_not_unpickle():
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_unpicklable_input_is_a_type_error_before_sending(world_size, log_dir):
-    with runner_for(world_size, load_kwargs={"log_dir": log_dir}) as runner:
+def test_unpicklable_input_is_a_type_error_before_sending(world_size, log_dir, runner_for):
+    with runner_for(Echo, world_size, load_kwargs={"log_dir": log_dir}) as runner:
         with pytest.raises(TypeError, match="input of generate\\(\\) cannot be pickled"):
             runner.generate({"value": lambda: 1})
         assert runner.healthy
@@ -224,8 +218,8 @@ def test_unpicklable_input_is_a_type_error_before_sending(world_size, log_dir):
             assert f.read() == "echo 'after'\n"  # the bad call never reached a rank
 
 
-def test_unpicklable_result_is_an_error_but_runner_stays_healthy():
-    with runner_for(2, ReturnsUnpicklableResult) as runner:
+def test_unpicklable_result_is_an_error_but_runner_stays_healthy(runner_for):
+    with runner_for(ReturnsUnpicklableResult, 2) as runner:
         with pytest.raises(Exception, match="pickle") as info:
             runner.generate(FAULT)
         assert "local object" in str(info.value) or "lambda" in str(info.value)
@@ -233,23 +227,23 @@ def test_unpicklable_result_is_an_error_but_runner_stays_healthy():
         assert runner.generate(3) == 3
 
 
-def test_result_that_fails_to_unpickle_in_the_caller():
-    with runner_for(2, ReturnsResultThatCannotBeRebuilt) as runner:
+def test_result_that_fails_to_unpickle_in_the_caller(runner_for):
+    with runner_for(ReturnsResultThatCannotBeRebuilt, 2) as runner:
         with pytest.raises(ValueError, match="BadSetState cannot be rebuilt"):
             runner.generate(FAULT)
         assert runner.healthy
         assert runner.generate(4) == 4
 
 
-def test_a_shm_error_raised_by_every_rank_is_an_ordinary_same_type_error():
-    with runner_for(2, Raises, load_kwargs={"error": SharedMemoryExhausted}) as runner:
+def test_a_shm_error_raised_by_every_rank_is_an_ordinary_same_type_error(runner_for):
+    with runner_for(Raises, 2, load_kwargs={"error": SharedMemoryExhausted}) as runner:
         with pytest.raises(SharedMemoryExhausted, match="boom on rank 0"):
             runner.generate(FAULT)
         assert runner.healthy
 
 
-def test_a_shm_error_on_rank1_alone_is_a_desync_not_swallowed():
-    with runner_for(2, Raises, load_kwargs={"error": SharedMemoryExhausted,
+def test_a_shm_error_on_rank1_alone_is_a_desync_not_swallowed(runner_for):
+    with runner_for(Raises, 2, load_kwargs={"error": SharedMemoryExhausted,
                                             "rank": 1}) as runner:
         with pytest.raises(RankDesync, match="rank 1 raised .*SharedMemoryExhausted"):
             runner.generate(FAULT)

@@ -10,18 +10,11 @@ from timing_workers import DiesInCall, Talks
 from reactor_dist import DistributedRunner, WorkerCrashed
 
 
-def runner_for(cls, world_size=2, **kw):
-    kw.setdefault("init_process_group", False)
-    kw.setdefault("device", "cpu")
-    kw.setdefault("call_timeout", 20.0)
-    return DistributedRunner(cls, world_size=world_size, **kw)
-
-
 def ours(caplog, level=logging.INFO):
     return [r for r in caplog.records if r.name == "reactor_dist" and r.levelno >= level]
 
 
-def test_start_each_load_and_shutdown_are_logged(caplog):
+def test_start_each_load_and_shutdown_are_logged(caplog, runner_for):
     caplog.set_level(logging.INFO, logger="reactor_dist")
     with runner_for(Talks, load_kwargs={"pause": 0.1}) as runner:
         runner.generate(1)
@@ -36,7 +29,7 @@ def test_start_each_load_and_shutdown_are_logged(caplog):
     assert any(m.startswith("shut down 2 ranks (gracefully)") for m in messages), messages
 
 
-def test_forming_the_group_is_logged(caplog):
+def test_forming_the_group_is_logged(caplog, runner_for):
     caplog.set_level(logging.INFO, logger="reactor_dist")
     with runner_for(Talks, init_process_group=True):
         pass
@@ -44,7 +37,7 @@ def test_forming_the_group_is_logged(caplog):
                for r in ours(caplog))
 
 
-def test_a_crash_report_is_logged_as_an_error(caplog):
+def test_a_crash_report_is_logged_as_an_error(caplog, runner_for):
     caplog.set_level(logging.INFO, logger="reactor_dist")
     with runner_for(DiesInCall) as runner, pytest.raises(WorkerCrashed) as caught:
         runner.generate(1)
@@ -53,7 +46,7 @@ def test_a_crash_report_is_logged_as_an_error(caplog):
     assert "rank 1" in record.getMessage() and "exited with code 3" in record.getMessage()
 
 
-def test_rank_output_goes_to_stderr_by_default(caplog, capfd):
+def test_rank_output_goes_to_stderr_by_default(caplog, capfd, runner_for):
     caplog.set_level(logging.INFO)
     with runner_for(Talks) as runner:
         runner.generate(5)
@@ -62,7 +55,7 @@ def test_rank_output_goes_to_stderr_by_default(caplog, capfd):
     assert not [r for r in caplog.records if r.name == "reactor_dist.rank"]
 
 
-def test_rank_output_as_log_records(caplog, capfd):
+def test_rank_output_as_log_records(caplog, capfd, runner_for):
     caplog.set_level(logging.INFO, logger="reactor_dist.rank")
     with runner_for(Talks, rank_output="log") as runner:
         runner.generate(5)

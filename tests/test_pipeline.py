@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import os
 import re
 import signal
@@ -30,7 +31,6 @@ from test_faults import interrupt_after
 
 from reactor_dist import (
     CallQueueFull,
-    DistributedRunner,
     RankDesync,
     ReactorDistError,
     WorkerCrashed,
@@ -40,12 +40,10 @@ from reactor_dist import (
 WAY_OUT = 30.0  # every wait on a future is bounded by this (never reached when it passes)
 
 
-def runner_for(log_dir: str, **kw) -> DistributedRunner:
-    kw.setdefault("world_size", 2)
-    kw.setdefault("init_process_group", False)
-    kw.setdefault("device", "cpu")
-    kw.setdefault("call_timeout", 20.0)
-    return DistributedRunner(Recorder, load_kwargs={"log_dir": log_dir}, **kw)
+@pytest.fixture
+def recorder(runner_for, log_dir):
+    """``recorder(**options)``: ``runner_for(Recorder, ...)``, its ranks' logs in log_dir."""
+    return functools.partial(runner_for, Recorder, load_kwargs={"log_dir": log_dir})
 
 
 def seen_by_every_rank(log_dir: str, world_size: int = 2) -> list[str]:
@@ -70,16 +68,17 @@ def call_named(exc: BaseException, seq: int) -> bool:
 
 # -- construction -------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "2", None])
-def test_max_in_flight_must_be_an_int_of_at_least_one(bad, log_dir):
+def test_max_in_flight_must_be_an_int_of_at_least_one(bad, recorder):
     with pytest.raises(ValueError, match="max_in_flight"):
-        runner_for(log_dir, max_in_flight=bad)
+        recorder(max_in_flight=bad)
 
 
 # -- order ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("max_in_flight", [1, 2, 4])
-def test_calls_from_threads_and_tasks_run_in_send_order_on_every_rank(max_in_flight, log_dir):
+def test_calls_from_threads_and_tasks_run_in_send_order_on_every_rank(
+        max_in_flight, log_dir, recorder):
     sent: list[tuple] = []
-    with runner_for(log_dir, max_in_flight=max_in_flight) as runner:
+    with recorder(max_in_flight=max_in_flight) as runner:
         # 4 threads x 50 submits; the order of sending is captured under one lock.
         lock = threading.Lock()
         answers: dict[int, list] = {}
@@ -132,11 +131,11 @@ def test_calls_from_threads_and_tasks_run_in_send_order_on_every_rank(max_in_fli
 
 
 # -- overlap ----------------------------------------------------------------------------------
-def test_pipelined_steps_overlap_the_ranks_compute_with_the_apps_work(log_dir):
+def test_pipelined_steps_overlap_the_ranks_compute_with_the_apps_work(recorder):
     """C = W = 0.2 s, 5 steps: one after the other 2.0 s; pipelined about 1.2 s."""
     compute = work = 0.2
     steps = 5
-    with runner_for(log_dir, max_in_flight=2) as runner:
+    with recorder(max_in_flight=2) as runner:
         assert runner.generate(Nap(0, "warm")) == "warm"
         results = []
         started = time.monotonic()
@@ -152,8 +151,8 @@ def test_pipelined_steps_overlap_the_ranks_compute_with_the_apps_work(log_dir):
 
 
 # -- the error contract with a second and a third call in flight --------------------------------
-def test_a_same_type_raise_fails_that_call_alone_and_the_calls_behind_it_run(log_dir):
-    with runner_for(log_dir, max_in_flight=3) as runner:
+def test_a_same_type_raise_fails_that_call_alone_and_the_calls_behind_it_run(log_dir, recorder):
+    with recorder(max_in_flight=3) as runner:
         failing = runner.submit(RaiseOn(0.3))
         second = runner.submit(Nap(0, "second"))
         third = runner.submit("third")
@@ -167,8 +166,9 @@ def test_a_same_type_raise_fails_that_call_alone_and_the_calls_behind_it_run(log
 
 
 @pytest.mark.parametrize("victim", [0, 1])
-def test_a_rank_sigkilled_during_the_first_call_fails_every_call_in_flight(victim, log_dir):
-    with runner_for(log_dir, max_in_flight=3) as runner:
+def test_a_rank_sigkilled_during_the_first_call_fails_every_call_in_flight(
+        victim, log_dir, recorder):
+    with recorder(max_in_flight=3) as runner:
         assert runner.generate("warm") == "warm"  # call 1
         futures = [runner.submit(Nap(5.0, "first")),  # call 2: the victim dies in it
                    runner.submit("second"), runner.submit(Nap(0, "third"))]
@@ -188,8 +188,8 @@ def test_a_rank_sigkilled_during_the_first_call_fails_every_call_in_flight(victi
             runner.generate("refused")
 
 
-def test_a_hang_fails_the_running_call_and_the_calls_behind_it_with_worker_timeout(log_dir):
-    with runner_for(log_dir, max_in_flight=3) as runner:
+def test_a_hang_fails_the_running_call_and_the_calls_behind_it_with_worker_timeout(recorder):
+    with recorder(max_in_flight=3) as runner:
         assert runner.generate("warm") == "warm"  # call 1
         hung = runner.submit(HangOn(1), timeout=0.5)  # call 2
         behind = [runner.submit("second"), runner.submit(Nap(0, "third"))]
@@ -203,8 +203,8 @@ def test_a_hang_fails_the_running_call_and_the_calls_behind_it_with_worker_timeo
             runner.generate("refused")
 
 
-def test_a_desync_fails_that_call_and_the_calls_behind_it_with_rank_desync(log_dir):
-    with runner_for(log_dir, max_in_flight=3) as runner:
+def test_a_desync_fails_that_call_and_the_calls_behind_it_with_rank_desync(recorder):
+    with recorder(max_in_flight=3) as runner:
         assert runner.generate("warm") == "warm"  # call 1
         failing = runner.submit(RaiseOn(0.3, rank=1))  # call 2
         behind = [runner.submit("second"), runner.submit(Nap(0, "third"))]
@@ -220,8 +220,8 @@ def test_a_desync_fails_that_call_and_the_calls_behind_it_with_rank_desync(log_d
 
 
 # -- max_in_flight reached --------------------------------------------------------------------
-def test_submit_blocks_while_max_in_flight_calls_are_unanswered_then_proceeds(log_dir):
-    with runner_for(log_dir, max_in_flight=2) as runner:
+def test_submit_blocks_while_max_in_flight_calls_are_unanswered_then_proceeds(log_dir, recorder):
+    with recorder(max_in_flight=2) as runner:
         first = runner.submit(Nap(0.4, "first"))
         second = runner.submit(Nap(0.4, "second"))
         third = runner.submit("third")  # returns once one of the two was answered
@@ -233,8 +233,9 @@ def test_submit_blocks_while_max_in_flight_calls_are_unanswered_then_proceeds(lo
     assert seen_by_every_rank(log_dir) == ["nap 'first'", "nap 'second'", "'third'"]
 
 
-def test_a_queue_that_stays_full_raises_call_queue_full_and_the_runner_stays_healthy(log_dir):
-    with runner_for(log_dir, max_in_flight=2) as runner:
+def test_a_queue_that_stays_full_raises_call_queue_full_and_the_runner_stays_healthy(
+        log_dir, recorder):
+    with recorder(max_in_flight=2) as runner:
         a = runner.submit(Nap(0.6, "a"))
         b = runner.submit(Nap(0.6, "b"))
         with pytest.raises(CallQueueFull) as info:
@@ -251,8 +252,8 @@ def test_a_queue_that_stays_full_raises_call_queue_full_and_the_runner_stays_hea
     assert seen_by_every_rank(log_dir) == ["nap 'a'", "nap 'b'", "'after'"]
 
 
-def test_ctrl_c_while_submit_waits_for_room_sends_nothing(log_dir):
-    with runner_for(log_dir, max_in_flight=1) as runner:
+def test_ctrl_c_while_submit_waits_for_room_sends_nothing(log_dir, recorder):
+    with recorder(max_in_flight=1) as runner:
         running = runner.submit(Nap(0.6, "running"))
         with interrupt_after(0.1), pytest.raises(KeyboardInterrupt):
             runner.submit("never sent")
@@ -265,8 +266,8 @@ def test_ctrl_c_while_submit_waits_for_room_sends_nothing(log_dir):
 
 
 # -- streams in the queue -----------------------------------------------------------------------
-def test_a_stream_in_flight_behind_a_generate_and_ahead_of_another(log_dir):
-    with runner_for(log_dir, max_in_flight=3) as runner:
+def test_a_stream_in_flight_behind_a_generate_and_ahead_of_another(log_dir, recorder):
+    with recorder(max_in_flight=3) as runner:
         first = runner.submit(Nap(0.3, "first"))
         stream = runner.stream(Items(3, pause=0.05))
         third = runner.submit(Nap(0, "third"))  # sent behind the open stream
@@ -279,8 +280,8 @@ def test_a_stream_in_flight_behind_a_generate_and_ahead_of_another(log_dir):
     assert seen_by_every_rank(log_dir) == ["nap 'first'", "items 3", "nap 'third'", "'fourth'"]
 
 
-def test_a_stream_left_early_while_a_call_is_queued_behind_it(log_dir):
-    with runner_for(log_dir, max_in_flight=2) as runner:
+def test_a_stream_left_early_while_a_call_is_queued_behind_it(log_dir, recorder):
+    with recorder(max_in_flight=2) as runner:
         stream = runner.stream(Items(6, pause=0.15))
         assert next(stream) == 0
         behind = runner.submit(Nap(0, "behind"))
@@ -299,9 +300,9 @@ def test_a_stream_left_early_while_a_call_is_queued_behind_it(log_dir):
     assert seen_by_every_rank(log_dir) == ["items 6", "nap 'behind'", "items 6", "'after'"]
 
 
-def test_an_astream_between_two_agenerates_and_one_left_early(log_dir):
+def test_an_astream_between_two_agenerates_and_one_left_early(log_dir, recorder):
     async def main() -> None:
-        async with runner_for(log_dir, max_in_flight=3) as runner:
+        async with recorder(max_in_flight=3) as runner:
             async def items() -> list:
                 return [i async for i in runner.astream(Items(3, pause=0.05))]
 
@@ -329,8 +330,8 @@ def test_an_astream_between_two_agenerates_and_one_left_early(log_dir):
 
 
 # -- Ctrl-C and cancellation --------------------------------------------------------------------
-def test_ctrl_c_in_a_thread_waiting_on_a_future(log_dir):
-    with runner_for(log_dir, max_in_flight=2) as runner:
+def test_ctrl_c_in_a_thread_waiting_on_a_future(log_dir, recorder):
+    with recorder(max_in_flight=2) as runner:
         future = runner.submit(Nap(0.8, "interrupted"))
         with interrupt_after(0.1), pytest.raises(KeyboardInterrupt):
             future.result(timeout=WAY_OUT)
@@ -346,9 +347,9 @@ def test_ctrl_c_in_a_thread_waiting_on_a_future(log_dir):
 
 
 @pytest.mark.parametrize("max_in_flight", [1, 2], ids=["waiting-for-its-turn", "sent-behind"])
-def test_cancelling_a_task_whose_call_is_queued(max_in_flight, log_dir):
+def test_cancelling_a_task_whose_call_is_queued(max_in_flight, log_dir, recorder):
     async def main() -> None:
-        async with runner_for(log_dir, max_in_flight=max_in_flight) as runner:
+        async with recorder(max_in_flight=max_in_flight) as runner:
             running = asyncio.create_task(runner.agenerate(Nap(0.6, "running")))
             await asyncio.sleep(0)  # it asks first
             queued = asyncio.create_task(runner.agenerate(Nap(0.3, "queued")))
@@ -370,9 +371,9 @@ def test_cancelling_a_task_whose_call_is_queued(max_in_flight, log_dir):
     assert seen_by_every_rank(log_dir) == ran
 
 
-def test_cancelling_a_task_whose_call_is_running(log_dir):
+def test_cancelling_a_task_whose_call_is_running(log_dir, recorder):
     async def main() -> None:
-        async with runner_for(log_dir, max_in_flight=2) as runner:
+        async with recorder(max_in_flight=2) as runner:
             task = asyncio.create_task(runner.agenerate(Nap(0.6, "cancelled")))
             await asyncio.sleep(0.1)
             task.cancel()
@@ -389,11 +390,11 @@ def test_cancelling_a_task_whose_call_is_running(log_dir):
     assert seen_by_every_rank(log_dir) == ["nap 'cancelled'", "'next'", "'sync'"]
 
 
-def test_a_step_cancelled_by_wait_for_does_not_make_the_next_call_time_out(log_dir):
+def test_a_step_cancelled_by_wait_for_does_not_make_the_next_call_time_out(log_dir, recorder):
     """The new user's case from the issue: a 0.5 s step cancelled by wait_for(..., 0.1);
     the next 0.5 s step (call_timeout 0.7 s) waits 0.4 s behind it, then runs."""
     async def main() -> None:
-        async with runner_for(log_dir, call_timeout=0.7) as runner:
+        async with recorder(call_timeout=0.7) as runner:
             assert await runner.agenerate("warm") == "warm"
             with pytest.raises(TimeoutError) as info:
                 await asyncio.wait_for(runner.agenerate(Nap(0.5, "cancelled")), 0.1)
@@ -408,9 +409,9 @@ def test_a_step_cancelled_by_wait_for_does_not_make_the_next_call_time_out(log_d
 
 
 # -- shared memory ------------------------------------------------------------------------------
-def test_nothing_left_in_dev_shm_after_1000_pipelined_calls_with_8_mb_results(log_dir):
+def test_nothing_left_in_dev_shm_after_1000_pipelined_calls_with_8_mb_results(log_dir, recorder):
     calls, size = 1000, 8 << 20
-    with runner_for(log_dir, max_in_flight=2) as runner:
+    with recorder(max_in_flight=2) as runner:
         prefix = Probe(runner).shm_prefix
         ahead = collections.deque([runner.submit(FullArray([size], fill=0))])
         for i in range(calls):
@@ -426,8 +427,8 @@ def test_nothing_left_in_dev_shm_after_1000_pipelined_calls_with_8_mb_results(lo
     assert seen_by_every_rank(log_dir) == ["FullArray"] * calls
 
 
-def test_shutdown_with_calls_in_flight_fails_them_and_leaves_nothing(log_dir):
-    runner = runner_for(log_dir, max_in_flight=3)
+def test_shutdown_with_calls_in_flight_fails_them_and_leaves_nothing(log_dir, recorder):
+    runner = recorder(max_in_flight=3)
     runner.start()
     try:
         prefix = Probe(runner).shm_prefix

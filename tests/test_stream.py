@@ -24,28 +24,20 @@ from stream_workers import (
 )
 
 from reactor_dist import (
-    DistributedRunner,
     RankDesync,
     WorkerCrashed,
     WorkerTimeout,
 )
 
 
-def runner_for(cls, world_size=2, **kw):
-    kw.setdefault("init_process_group", False)
-    kw.setdefault("device", "cpu")
-    kw.setdefault("call_timeout", 20.0)
-    return DistributedRunner(cls, world_size=world_size, **kw)
-
-
 @pytest.fixture
-def counts():
+def counts(runner_for):
     with runner_for(Counts) as runner:
         yield runner
 
 
 @pytest.fixture
-def frames():
+def frames(runner_for):
     with runner_for(Frames) as runner:
         yield runner
 
@@ -61,13 +53,13 @@ def test_generate_on_a_generator_worker_returns_the_list_of_items(counts):
     assert list(counts.stream(0)) == []
 
 
-def test_a_plain_worker_streams_its_one_value():
+def test_a_plain_worker_streams_its_one_value(runner_for):
     with runner_for(Echo) as runner:
         assert list(runner.stream({"x": 1})) == [{"x": 1}]
         assert runner.generate(5) == 5
 
 
-def test_an_item_reaches_the_caller_while_the_step_still_runs(tmp_path):
+def test_an_item_reaches_the_caller_while_the_step_still_runs(tmp_path, runner_for):
     flag = str(tmp_path / "caller-has-item-0")
     with runner_for(WaitsForTheCaller) as runner:
         stream = runner.stream(flag)
@@ -97,7 +89,7 @@ def test_items_stay_valid_after_the_stream_later_calls_and_an_error(frames):
 
 
 # -- timeout and the error contract, per stream ------------------------------------------------
-def test_the_timeout_bounds_each_item_not_the_whole_step():
+def test_the_timeout_bounds_each_item_not_the_whole_step(runner_for):
     with runner_for(Slow) as runner:
         started = time.monotonic()
         assert list(runner.stream({"n": 5, "pause": 0.2}, timeout=0.6)) == [0, 1, 2, 3, 4]
@@ -105,7 +97,7 @@ def test_the_timeout_bounds_each_item_not_the_whole_step():
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_hang_between_items_is_a_timeout_after_the_items_before_it(rank):
+def test_a_hang_between_items_is_a_timeout_after_the_items_before_it(rank, runner_for):
     runner = runner_for(Slow)
     with runner:
         got = []
@@ -119,7 +111,8 @@ def test_a_hang_between_items_is_a_timeout_after_the_items_before_it(rank):
             runner.stream(1)
 
 
-def test_the_same_exception_everywhere_comes_after_the_items_and_the_runner_stays_healthy():
+def test_the_same_exception_everywhere_comes_after_the_items_and_the_runner_stays_healthy(
+        runner_for):
     with runner_for(RaisesAfter) as runner:
         got = []
         with pytest.raises(ValueError, match="bad item on rank 0") as info:
@@ -136,7 +129,7 @@ def test_the_same_exception_everywhere_comes_after_the_items_and_the_runner_stay
                        "ValueError, rank 1 raised KeyError"),
     ([None, "value"], "rank 1 raised ValueError in generate() while rank 0 returned"),
 ])
-def test_disagreeing_ranks_are_a_desync(errors, message):
+def test_disagreeing_ranks_are_a_desync(errors, message, runner_for):
     with runner_for(RaisesAfter) as runner:
         got = []
         with pytest.raises(RankDesync) as info:
@@ -148,7 +141,7 @@ def test_disagreeing_ranks_are_a_desync(errors, message):
             runner.generate({"after": 1, "errors": [None, None]})
 
 
-def test_an_unpicklable_item_is_an_error_naming_it_and_the_runner_stays_healthy():
+def test_an_unpicklable_item_is_an_error_naming_it_and_the_runner_stays_healthy(runner_for):
     with runner_for(YieldsUnpicklable) as runner:
         got = []
         with pytest.raises(TypeError, match=r"item 1 of generate\(\) on rank 0 \(a function\) "
@@ -208,7 +201,7 @@ def test_a_call_from_another_thread_runs_while_a_stream_is_open(counts):
     assert list(stream) == [{"i": 0, "rank": 0}, {"i": 1, "rank": 0}]
 
 
-def test_ctrl_c_during_a_stream_keeps_the_runner_usable():
+def test_ctrl_c_during_a_stream_keeps_the_runner_usable(runner_for):
     with runner_for(Slow) as runner:
         stream = runner.stream({"n": 3, "pause": 0.4})
         timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
@@ -221,7 +214,7 @@ def test_ctrl_c_during_a_stream_keeps_the_runner_usable():
         assert runner.generate({"n": 2}) == [0, 1]
 
 
-def test_stream_on_an_unusable_or_shut_down_runner_is_refused():
+def test_stream_on_an_unusable_or_shut_down_runner_is_refused(runner_for):
     runner = runner_for(Counts)
     with pytest.raises(RuntimeError, match="start"):
         runner.stream(1)
@@ -240,7 +233,7 @@ ITEMS_BEFORE = {"before": 0, "between": 1, "after": 3}
 @pytest.mark.parametrize("means", FAULT_MEANS)
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("where", WHERE)
-def test_stream_fault_matrix(where, rank, means, tmp_path):
+def test_stream_fault_matrix(where, rank, means, tmp_path, runner_for):
     fault = {"phase": "stream", "rank": rank, "means": means, "stamp_dir": str(tmp_path),
              "where": where}
     timeout = 0.5 if means == "hang" else 10.0

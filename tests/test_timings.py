@@ -15,18 +15,10 @@ from timing_workers import (
     TorchImported,
 )
 
-from reactor_dist import DistributedRunner
 from reactor_dist.timings import CallTimings, Recorder
 
 
-def runner_for(cls, world_size=2, **kw):
-    kw.setdefault("init_process_group", False)
-    kw.setdefault("device", "cpu")
-    kw.setdefault("call_timeout", 20.0)
-    return DistributedRunner(cls, world_size=world_size, **kw)
-
-
-def test_a_slower_rank_shows_in_compute_and_is_the_slowest():
+def test_a_slower_rank_shows_in_compute_and_is_the_slowest(runner_for):
     with runner_for(SlowRank, load_kwargs={"slow": 1, "extra": 0.05}) as runner:
         assert runner.last_timings is None
         began = time.perf_counter()
@@ -45,7 +37,7 @@ def test_a_slower_rank_shows_in_compute_and_is_the_slowest():
         assert "slowest_rank=1" in repr(t)
 
 
-def test_a_generator_workers_compute_is_the_time_inside_the_generator():
+def test_a_generator_workers_compute_is_the_time_inside_the_generator(runner_for):
     with runner_for(SlowSteps) as runner:
         assert list(runner.stream({"n": 3, "pause": 0.02})) == [0, 1, 2]
         t = runner.last_timings
@@ -55,7 +47,7 @@ def test_a_generator_workers_compute_is_the_time_inside_the_generator():
         assert runner.last_timings.compute[1] >= 0.04
 
 
-def test_a_call_that_raises_is_timed_too():
+def test_a_call_that_raises_is_timed_too(runner_for):
     with runner_for(Raises) as runner:
         with pytest.raises(ValueError, match="planned"):
             runner.generate(0.03)
@@ -66,7 +58,7 @@ def test_a_call_that_raises_is_timed_too():
         assert min(runner.last_timings.compute) >= 0.03
 
 
-def test_stats_count_percentiles_overhead_and_reset():
+def test_stats_count_percentiles_overhead_and_reset(runner_for):
     with runner_for(SlowRank, load_kwargs={"slow": 1, "extra": 0.01}) as runner:
         for i in range(5):
             runner.generate(i)
@@ -86,7 +78,7 @@ def test_stats_count_percentiles_overhead_and_reset():
         assert runner.stats().compute[0].count == 0
 
 
-def test_timings_can_be_switched_off():
+def test_timings_can_be_switched_off(runner_for):
     with runner_for(SlowRank, load_kwargs={"slow": None}) as runner:
         runner.record_timings = False
         runner.generate(1)
@@ -100,7 +92,7 @@ def stragglers(caplog):
     return [r for r in caplog.records if r.name == "reactor_dist" and "straggler" in r.message]
 
 
-def test_a_persistently_slow_rank_is_named_once(caplog):
+def test_a_persistently_slow_rank_is_named_once(caplog, runner_for):
     caplog.set_level(logging.WARNING, logger="reactor_dist")
     with runner_for(SlowRank, load_kwargs={"slow": 1, "base": 0.002, "extra": 0.01}) as runner:
         for i in range(45):
@@ -112,7 +104,7 @@ def test_a_persistently_slow_rank_is_named_once(caplog):
         assert hint in record.getMessage()
 
 
-def test_a_balanced_run_warns_of_no_straggler(caplog):
+def test_a_balanced_run_warns_of_no_straggler(caplog, runner_for):
     caplog.set_level(logging.WARNING, logger="reactor_dist")
     with runner_for(SlowRank, load_kwargs={"slow": None, "base": 0.005}) as runner:
         for i in range(45):
@@ -168,7 +160,7 @@ def test_a_rank_waits_for_its_gpu_only_on_a_cuda_device_with_cuda_initialised():
                                        "['cuda:2']"]
 
 
-def test_timing_a_cpu_rank_never_imports_torch():
+def test_timing_a_cpu_rank_never_imports_torch(runner_for):
     with runner_for(TorchImported) as runner:
         assert runner.generate(0) is False
         runner.reset()
@@ -176,7 +168,7 @@ def test_timing_a_cpu_rank_never_imports_torch():
         assert runner.generate(0) is False
 
 
-def test_a_rank_slow_before_an_all_reduce_is_named_by_its_busy_time(caplog):
+def test_a_rank_slow_before_an_all_reduce_is_named_by_its_busy_time(caplog, runner_for):
     # Rank 1 sleeps 20 ms before an all_reduce: rank 0 waits inside it, so both ranks'
     # compute is ~20 ms; their collective waits and busy times tell them apart.
     caplog.set_level(logging.WARNING, logger="reactor_dist")
@@ -205,7 +197,7 @@ def test_a_rank_slow_before_an_all_reduce_is_named_by_its_busy_time(caplog):
 
 
 @pytest.mark.parametrize("how", ["sync", "async", "imported"])
-def test_a_balanced_run_with_an_all_reduce_warns_of_no_straggler(caplog, how):
+def test_a_balanced_run_with_an_all_reduce_warns_of_no_straggler(caplog, how, runner_for):
     caplog.set_level(logging.WARNING, logger="reactor_dist")
     with runner_for(SlowBeforeAllReduce, init_process_group=True,
                     load_kwargs={"slow": None, "base": 0.005, "how": how}) as runner:
@@ -218,7 +210,7 @@ def test_a_balanced_run_with_an_all_reduce_warns_of_no_straggler(caplog, how):
 
 
 @pytest.mark.parametrize("how", ["async", "imported"])
-def test_an_async_or_imported_all_reduce_is_timed_too(caplog, how):
+def test_an_async_or_imported_all_reduce_is_timed_too(caplog, how, runner_for):
     caplog.set_level(logging.WARNING, logger="reactor_dist")
     with runner_for(SlowBeforeAllReduce, init_process_group=True,
                     load_kwargs={"slow": 1, "extra": 0.02, "how": how}) as runner:
@@ -230,7 +222,7 @@ def test_an_async_or_imported_all_reduce_is_timed_too(caplog, how):
     assert record.getMessage().startswith("rank 1 ")
 
 
-def test_ranks_without_a_group_measure_no_collective_wait():
+def test_ranks_without_a_group_measure_no_collective_wait(runner_for):
     with runner_for(SlowRank, load_kwargs={"slow": 1, "extra": 0.01}) as runner:
         runner.generate(1)
         t = runner.last_timings

@@ -23,18 +23,10 @@ from opentelemetry.trace import StatusCode
 from sample_workers import FAULT, ExitsOnRank
 from tracing_workers import Counts
 
-from reactor_dist import DistributedRunner, WorkerCrashed
+from reactor_dist import WorkerCrashed
 from reactor_dist.tracing import instrument, uninstrument
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def runner_for(cls, **kw) -> DistributedRunner:
-    kw.setdefault("world_size", 2)
-    kw.setdefault("init_process_group", False)
-    kw.setdefault("device", "cpu")
-    kw.setdefault("call_timeout", 30.0)
-    return DistributedRunner(cls, **kw)
 
 
 def in_memory() -> tuple[TracerProvider, InMemorySpanExporter]:
@@ -59,7 +51,7 @@ def check_ok_call(span, parent, seq: int) -> None:
     assert parent.start_time <= span.start_time <= span.end_time <= parent.end_time
 
 
-def test_each_call_is_a_span_in_the_callers_trace():
+def test_each_call_is_a_span_in_the_callers_trace(runner_for):
     provider, exporter = in_memory()
     tracer = provider.get_tracer("the app")
     with runner_for(Counts) as runner:
@@ -110,7 +102,7 @@ def test_each_call_is_a_span_in_the_callers_trace():
     assert [e.name for e in reset.events] == []
 
 
-def test_start_restart_and_a_crash_are_spans():
+def test_start_restart_and_a_crash_are_spans(runner_for):
     provider, exporter = in_memory()
     tracer = provider.get_tracer("the app")
     runner = runner_for(ExitsOnRank, load_kwargs={"rank": 1})
