@@ -45,7 +45,7 @@ from .group import Rendezvous
 from .progress import FORMING, IMPORTING, LOADING, Reporter
 from .protocol import Bootstrap, Field, Kind, Method, Status
 from .rank_memory import CALLER, Inbox, RankMemory
-from .validation import import_worker_class
+from .worker import import_worker_class
 
 log = logging.getLogger("reactor_dist")  # no handler here: its lines reach [rank N] output
 

@@ -46,10 +46,10 @@ from .validation import (
     check_devices,
     check_load_kwargs,
     check_methods,
-    check_not_rerunning_main,
     check_world_size,
     locate,
 )
+from .worker import check_not_rerunning_main
 
 log = logging.getLogger("reactor_dist")
 _warned_auto_cpu = False

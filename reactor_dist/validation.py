@@ -1,21 +1,18 @@
-"""Construction checks and how a fresh interpreter finds the worker class.
+"""Construction checks.
 
 Everything here runs in ``DistributedRunner.__init__``, before any process
 exists, so that a mistake costs the user an exception, not a hung start-up.
+(How a rank finds the worker class again: :func:`reactor_dist.worker.import_worker_class`.)
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import pickle
-import runpy
 import sys
-import types
 from typing import Any
 
 from .device import surely_cpu, usable_cores
-from .errors import MainGuardMissing
 from .output import OUTPUT_MODES
 from .protocol import WorkerRef
 from .worker import DistributedWorker
@@ -140,46 +137,3 @@ def check_load_kwargs(load_kwargs: Any) -> dict[str, Any]:
                 f"pass a path or plain data and build the object inside load()"
             ) from None
     return dict(load_kwargs)
-
-
-# Set in a rank while it runs the user's script again as ``__mp_main__``: a runner
-# built then means the script lacks its ``if __name__ == "__main__":`` guard.
-_rerunning_main: WorkerRef | None = None
-
-
-def check_not_rerunning_main() -> None:
-    """Raise MainGuardMissing when called while a rank re-runs the user's script."""
-    where = _rerunning_main
-    if where is None:
-        return
-    script = where.main_path or f"-m {where.main_module}"
-    raise MainGuardMissing(
-        f"a DistributedRunner was built while a rank re-ran your script ({script}) to find "
-        f"{where.qualname}: the script has no `if __name__ == \"__main__\":` guard. Put the "
-        f"code that builds and uses the runner under `if __name__ == \"__main__\":`; the "
-        f"worker class stays at module level")
-
-
-def import_worker_class(where: WorkerRef) -> type:
-    """In a rank: find the class the way multiprocessing's spawn finds ``__main__``'s
-    objects (the script is run again as ``__mp_main__``, its guard keeps it quiet)."""
-    global _rerunning_main
-    if where.module == "__main__":
-        main = types.ModuleType("__mp_main__")
-        _rerunning_main = where
-        try:
-            if where.main_module is not None:
-                content = runpy.run_module(where.main_module, run_name="__mp_main__",
-                                           alter_sys=True)
-            else:
-                content = runpy.run_path(str(where.main_path), run_name="__mp_main__")
-        finally:
-            _rerunning_main = None
-        main.__dict__.update(content)
-        sys.modules["__main__"] = sys.modules["__mp_main__"] = main
-        obj: Any = main
-    else:
-        obj = importlib.import_module(where.module)
-    for part in where.qualname.split("."):
-        obj = getattr(obj, part)
-    return obj

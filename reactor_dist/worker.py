@@ -1,4 +1,5 @@
-"""The optional base class of a worker: one instance per rank, in its own process.
+"""The optional base class of a worker: one instance per rank, in its own process; and
+how a rank finds the worker class (:func:`import_worker_class`).
 
 Any module-level class with a no-argument constructor and ``load``,
 ``generate`` and ``reset`` works; this base adds the attributes the runner sets
@@ -7,12 +8,18 @@ before ``load()`` and :meth:`DistributedWorker.shared_empty`.
 
 from __future__ import annotations
 
+import importlib
 import os
+import runpy
+import sys
+import types
 from typing import Any
 
 import numpy as np
 
 from .device import usable_cores
+from .errors import MainGuardMissing
+from .protocol import WorkerRef
 
 
 class DistributedWorker:
@@ -80,3 +87,46 @@ def share_cpu_cores(world_size: int, device: str) -> None:
     import torch
 
     torch.set_num_threads(max(1, usable_cores() // world_size))
+
+
+# Set in a rank while it runs the user's script again as ``__mp_main__``: a runner
+# built then means the script lacks its ``if __name__ == "__main__":`` guard.
+_rerunning_main: WorkerRef | None = None
+
+
+def check_not_rerunning_main() -> None:
+    """Raise MainGuardMissing when called while a rank re-runs the user's script."""
+    where = _rerunning_main
+    if where is None:
+        return
+    script = where.main_path or f"-m {where.main_module}"
+    raise MainGuardMissing(
+        f"a DistributedRunner was built while a rank re-ran your script ({script}) to find "
+        f"{where.qualname}: the script has no `if __name__ == \"__main__\":` guard. Put the "
+        f"code that builds and uses the runner under `if __name__ == \"__main__\":`; the "
+        f"worker class stays at module level")
+
+
+def import_worker_class(where: WorkerRef) -> type:
+    """In a rank: find the class the way multiprocessing's spawn finds ``__main__``'s
+    objects (the script is run again as ``__mp_main__``, its guard keeps it quiet)."""
+    global _rerunning_main
+    if where.module == "__main__":
+        main = types.ModuleType("__mp_main__")
+        _rerunning_main = where
+        try:
+            if where.main_module is not None:
+                content = runpy.run_module(where.main_module, run_name="__mp_main__",
+                                           alter_sys=True)
+            else:
+                content = runpy.run_path(str(where.main_path), run_name="__mp_main__")
+        finally:
+            _rerunning_main = None
+        main.__dict__.update(content)
+        sys.modules["__main__"] = sys.modules["__mp_main__"] = main
+        obj: Any = main
+    else:
+        obj = importlib.import_module(where.module)
+    for part in where.qualname.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -1,0 +1,185 @@
+"""The side rule: every module of reactor_dist is on the caller's side, the rank's side or
+shared, and the caller's side and the rank's side never import each other.
+
+The modules stay flat in reactor_dist/ (users type ``python -m reactor_dist.rank``,
+``reactor_dist.numa``, ``reactor_dist.metrics``, ``reactor_dist.tracing``); this test is
+what a package per side would otherwise enforce.  A rank runs in its own process, started
+by the runner: what the caller's side keeps (the call queue, the supervisor, the bus's
+runner end) has no business there, and the rank's own code (its serve loop, its torch
+group, its memory) none in the caller.  What both need (the protocol, the framing, the
+segments and their ledger, the payload codec, the exceptions) is shared, and imports
+neither side.  Every import counts: at module level, inside functions, under
+``TYPE_CHECKING``, ``importlib.import_module("reactor_dist.x")``.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+import reactor_dist
+
+PACKAGE = pathlib.Path(reactor_dist.__file__).parent
+CALLER, RANK, SHARED = "caller", "rank", "shared"
+
+SIDES = {
+    # -- the caller's side: the runner, and everything that runs on its behalf
+    "__init__": CALLER,       # the public API: DistributedRunner (the worker base re-exported)
+    "__main__": CALLER,       # reactor-dist <command>: the doctor
+    "aio": CALLER,
+    "blocking": CALLER,
+    "bus": CALLER,            # the runner's end of the two sockets
+    "call_queue": CALLER,
+    "calls": CALLER,
+    "descriptors": CALLER,    # room for world_size ranks' sockets, checked before start
+    "doctor": CALLER,
+    "handshake": CALLER,
+    # host.py is the Ray actor that runs on the rank's node, but it is the runner's agent
+    # there: it starts the rank process as the supervisor does locally (processes.Ranks),
+    # forwards its output and ends it; it never runs a worker nor speaks the bus.
+    "host": CALLER,
+    "metrics": CALLER,
+    "observers": CALLER,
+    "outcome": CALLER,        # what the ranks did -> what the caller gets
+    "output": CALLER,         # the runner's reader of a rank's stdout/stderr
+    "placement": CALLER,
+    "processes": CALLER,      # starting, watching and ending the rank processes
+    "ray_view": CALLER,       # computed by the host actor for the rank it is about to start
+    "receiving": CALLER,
+    "reclaim": CALLER,        # the caller's half of giving shared memory back
+    "recovery": CALLER,
+    "releaser": CALLER,
+    "restarts": CALLER,
+    "runner": CALLER,
+    "stacks": CALLER,         # a silent rank's stacks, asked for by the runner
+    "stream": CALLER,
+    "supervisor": CALLER,
+    "timings": CALLER,        # the ranks send a duration (protocol); the statistics are here
+    "tracing": CALLER,
+    "validation": CALLER,     # construction checks, in DistributedRunner.__init__
+    # -- the rank's side: one rank's process
+    "collective_wait": RANK,
+    "group": RANK,            # the torch group
+    "host_pinning": RANK,     # page-locking rank 0's result segments
+    "numa": RANK,             # the launch prefix that execs the rank on its NUMA node
+    "rank": RANK,
+    "rank_memory": RANK,      # the rank's half of giving shared memory back
+    # -- shared: the formats and the codec both sides speak
+    "device": SHARED,         # which device a rank computes on: the doctor asks too
+    "errors": SHARED,         # raised in a rank, pickled, raised again in the caller
+    "ledger": SHARED,         # who holds which segment: one vocabulary on both sides
+    "progress": SHARED,       # the PROGRESS message's two ends: Reporter (rank), Display
+    "protocol": SHARED,
+    "shm": SHARED,
+    "timeouts": SHARED,
+    "transfer": SHARED,       # payloads into frames and segments, and back
+    "wire": SHARED,
+    "worker": SHARED,         # the user's base class, and how a rank finds the worker class
+}
+MAY_IMPORT = {CALLER: {CALLER, SHARED}, RANK: {RANK, SHARED}, SHARED: {SHARED}}
+
+
+def modules() -> set[str]:
+    return {path.stem for path in PACKAGE.glob("*.py")}
+
+
+def imported(tree: ast.Module, package: set[str]) -> list[tuple[int, str]]:
+    """The package's modules one module imports, as ``(line, module)``: ``from . import x``
+    is module x where x is one, else the package's ``__init__``."""
+    found = []
+
+    def named(line: int, dotted: str, names: list[str]) -> None:
+        parts = dotted.split(".") if dotted else []
+        if parts:
+            found.append((line, parts[0] if parts[0] in package else "__init__"))
+        else:
+            found.extend((line, n if n in package else "__init__") for n in names)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            names = [a.name for a in node.names]
+            if node.level == 1:
+                named(node.lineno, node.module or "", names)
+            elif node.level == 0 and node.module and node.module.split(".")[0] == "reactor_dist":
+                named(node.lineno, node.module.partition(".")[2], names)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                head, _, rest = alias.name.partition(".")
+                if head == "reactor_dist":
+                    named(node.lineno, rest, ["__init__"])
+        elif (isinstance(node, ast.Call) and node.args
+              and getattr(node.func, "attr", getattr(node.func, "id", None))
+              in ("import_module", "__import__")
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+              and node.args[0].value.split(".")[0] == "reactor_dist"):
+            named(node.lineno, node.args[0].value.partition(".")[2], ["__init__"])
+    return found
+
+
+def crossings(sides: dict[str, str], sources: dict[str, str]) -> list[str]:
+    """Every import from one side into a side it may not import, as ``module.py:line``."""
+    package = set(sources)
+    wrong = []
+    for name, source in sorted(sources.items()):
+        side = sides[name]
+        for line, target in imported(ast.parse(source), package):
+            if target != name and sides[target] not in MAY_IMPORT[side]:
+                wrong.append(f"reactor_dist/{name}.py:{line}: {side}-side {name} imports "
+                             f"{sides[target]}-side {target}")
+    return wrong
+
+
+def test_every_module_is_placed_on_a_side():
+    missing, gone = sorted(modules() - set(SIDES)), sorted(set(SIDES) - modules())
+    assert not missing, (f"modules on no side: {missing}; put each in SIDES (tests/"
+                         f"test_layout.py) as caller, rank or shared")
+    assert not gone, f"SIDES names modules that no longer exist: {gone}"
+
+
+def test_the_callers_side_and_the_ranks_side_never_import_each_other():
+    sources = {name: (PACKAGE / f"{name}.py").read_text() for name in modules()}
+    wrong = crossings(SIDES, sources)
+    assert not wrong, ("the caller's side and the rank's side import each other (move what "
+                       "both need into a shared module):\n" + "\n".join(wrong))
+
+
+SIDES_OF_AN_EXAMPLE = {"__init__": CALLER, "runner": CALLER, "rank": RANK, "wire": SHARED}
+
+
+@pytest.mark.parametrize("module, source, found", [
+    ("rank", "from .runner import DistributedRunner",
+     "reactor_dist/rank.py:1: rank-side rank imports caller-side runner"),
+    ("rank", "def f():\n    from . import runner",
+     "reactor_dist/rank.py:2: rank-side rank imports caller-side runner"),
+    ("rank", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+             "    from reactor_dist.runner import DistributedRunner",
+     "reactor_dist/rank.py:3: rank-side rank imports caller-side runner"),
+    ("rank", "from reactor_dist import DistributedRunner",
+     "reactor_dist/rank.py:1: rank-side rank imports caller-side __init__"),
+    ("runner", "import reactor_dist.rank",
+     "reactor_dist/runner.py:1: caller-side runner imports rank-side rank"),
+    ("runner", "import importlib\nimportlib.import_module('reactor_dist.rank')",
+     "reactor_dist/runner.py:2: caller-side runner imports rank-side rank"),
+    ("wire", "from .rank import main",
+     "reactor_dist/wire.py:1: shared-side wire imports rank-side rank"),
+    ("wire", "from . import runner",
+     "reactor_dist/wire.py:1: shared-side wire imports caller-side runner"),
+])
+def test_a_crossing_is_named_with_its_line(module, source, found):
+    sources = dict.fromkeys(SIDES_OF_AN_EXAMPLE, "")
+    sources[module] = source
+    assert crossings(SIDES_OF_AN_EXAMPLE, sources) == [found]
+
+
+@pytest.mark.parametrize("module, source", [
+    ("runner", "from . import wire"),
+    ("rank", "from .wire import Channel\nimport zmq\nfrom os import path"),
+    ("runner", "from reactor_dist.wire import Channel\nfrom . import runner"),
+    ("wire", "import msgpack\nfrom . import wire"),
+])
+def test_imports_within_a_side_or_of_shared_modules_pass(module, source):
+    sources = dict.fromkeys(SIDES_OF_AN_EXAMPLE, "")
+    sources[module] = source
+    assert crossings(SIDES_OF_AN_EXAMPLE, sources) == []
