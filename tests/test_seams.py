@@ -10,9 +10,10 @@ What counts as reaching a private name (``_x``: one leading underscore, not a du
   is followed through imports and assignments: a name bound only to other libraries
   (``os._exit``, ``torch.cuda._sleep``, ``group = dist.distributed_c10d._get_default_group()``)
   or to the test's own object (``self._x`` in a test's class) may use ``_``; a name bound
-  to reactor_dist, or of unknown origin (a parameter, ``with small_runner() as runner``),
-  may not.  ``self._y`` in a class derived from reactor_dist's (a test worker) may only
-  use what that class itself assigns;
+  to reactor_dist, to what a test module gives (``Probe(runner)._supervisor``), or of
+  unknown origin (a parameter, ``with small_runner() as runner``) may not.  ``self._y``
+  in a class derived from reactor_dist's (a test worker) may only use what that class
+  itself assigns;
 - a string naming it: ``"reactor_dist.runner._x"``; and code kept in a string (a script
   run in a subprocess) is checked by the same rules.
 """
@@ -30,6 +31,7 @@ import pytest
 TESTS = pathlib.Path(__file__).parent
 PRIVATE_PATH = re.compile(r"\breactor_dist(?:\.\w+)*\._(?!_)\w*")
 OWN = {"self", "cls", "super"}
+LOCAL = {path.stem for path in TESTS.glob("*.py")}  # probe, conftest, sample_workers, ...
 SELF = pathlib.Path(__file__).name
 THIRD, OWNED, UNKNOWN, LIBRARY = range(4)  # ordered: the worst binding of a name wins
 
@@ -78,9 +80,9 @@ class Origins:
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     name = alias.asname or alias.name.partition(".")[0]
-                    self.fix(name, LIBRARY if of_library(alias.name) else THIRD)
+                    self.fix(name, self.side_of(alias.name))
             elif isinstance(node, ast.ImportFrom):
-                side = LIBRARY if node.level == 0 and of_library(node.module) else THIRD
+                side = self.side_of(node.module) if node.level == 0 else THIRD
                 for alias in node.names:
                     self.fix(alias.asname or alias.name, side)
             elif isinstance(node, ast.Assign):
@@ -113,6 +115,14 @@ class Origins:
                                          *(self.of(e) for e in self.bound.get(name, []))])
             if self.origin == before:
                 break
+
+    @staticmethod
+    def side_of(module: str | None) -> int:
+        """What a module's names are: reactor_dist's, another library's, or of the tests'
+        own modules (whose objects may hold the library's: ``Probe(runner)._supervisor``)."""
+        if of_library(module):
+            return LIBRARY
+        return UNKNOWN if module is not None and module.partition(".")[0] in LOCAL else THIRD
 
     def fix(self, name: str, side: int) -> None:
         self.fixed[name] = max(self.fixed.get(name, THIRD), side)
@@ -247,6 +257,7 @@ REACHES = [
     "from reactor_dist import DistributedRunner\nr = DistributedRunner(object)\nq = r.queue\nq._x",
     "def test(monkeypatch):\n    monkeypatch.setattr('reactor_dist.runner._warned_auto_cpu', 0)",
     "def test(runner):\n    getattr(runner, '_supervisor')",
+    "from probe import Probe\ndef test(runner):\n    Probe(runner)._supervisor.bus",
     "def test(monkeypatch, runner):\n    monkeypatch.setattr(runner, '_supervisor', None)",
     "from reactor_dist import DistributedWorker\n"
     "class W(DistributedWorker):\n    def generate(self, x, /):\n        return self._rank",
