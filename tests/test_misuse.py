@@ -1,0 +1,138 @@
+"""What a newcomer met (issue 23), with real ranks: one stream read by two threads or
+two tasks, ``async for`` over ``stream()``, ``areset()``/``ashutdown()`` never awaited.
+Each misuse gets an error or warning that says what to do, and costs nothing: no item
+lost, nothing left in flight, the runner healthy."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+
+import pytest
+from conftest import our_shm_entries
+from stream_workers import Counts, Frames
+
+from reactor_dist import DistributedRunner
+
+
+def items(n: int) -> list[dict]:
+    return [{"i": i, "rank": 0} for i in range(n)]
+
+
+@pytest.fixture
+def counts():
+    with DistributedRunner(Counts, world_size=2, init_process_group=False, device="cpu",
+                           call_timeout=20.0) as runner:
+        yield runner
+
+
+def in_thread(name: str, fn):
+    """Run ``fn`` in a thread called ``name``: what it returned or raised."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(("returned", fn()))
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            out.append(("raised", exc))
+
+    thread = threading.Thread(target=run, name=name)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive()
+    return out[0]
+
+
+# -- one stream, two threads -------------------------------------------------------------------
+def test_a_second_thread_is_refused_and_the_owner_gets_every_item_in_order(counts):
+    stream = counts.stream(5)
+    assert next(stream) == {"i": 0, "rank": 0}  # MainThread owns it now
+    how, error = in_thread("reader-2", lambda: next(stream))
+    assert how == "raised" and type(error) is RuntimeError
+    seq = re.search(r"\(call (\d+)\)", repr(stream)).group(1)
+    assert str(error) == (
+        f"the stream of generate() (call {seq}) is read by one thread: thread 'MainThread' "
+        "took its first item, so next() from thread 'reader-2' is refused (two threads "
+        "would split its items between them). Read it in that one thread and hand the "
+        "items to the others through a queue.Queue, or start one runner.stream(x) per "
+        "thread")
+    assert in_thread("reader-2", lambda: list(stream))[0] == "raised"  # `for` too
+    assert list(stream) == items(5)[1:]  # nothing was lost to the refused thread
+    how, error = in_thread("reader-2", lambda: next(stream))  # ended: still the owner's
+    assert how == "raised" and "thread 'MainThread' took its first item" in str(error)
+    assert counts.healthy and counts.wait_idle(5) is True
+    assert counts.generate(2) == items(2)
+
+
+def test_the_thread_that_takes_the_first_item_owns_the_stream(counts):
+    stream = counts.stream(3)  # made here, read by another thread: that one owns it
+    assert in_thread("reader", lambda: list(stream)) == ("returned", items(3))
+    with pytest.raises(RuntimeError, match="^the stream of generate.* thread 'reader' took "
+                                           "its first item, so next.. from thread "
+                                           "'MainThread' is refused"):
+        next(stream)
+    stream.close()  # closing from anywhere is fine
+    assert counts.generate(1) == items(1)
+
+
+def test_one_stream_per_thread_is_the_way(counts):
+    got = [in_thread(f"t{t}", lambda: list(counts.stream(3))) for t in range(2)]
+    assert got == [("returned", items(3))] * 2
+
+
+# -- async for over stream() -------------------------------------------------------------------
+def test_async_for_over_stream_says_use_astream_and_leaves_nothing_in_flight(counts):
+    async def main() -> list:
+        refused = [counts.stream(4), counts.stream(4)]  # held: only leaving them ends them
+        with pytest.raises(TypeError) as caught:
+            async for _ in refused[0]:
+                pass
+        assert str(caught.value) == ("stream() is iterated with `for`; in async code use "
+                                     "`async for item in runner.astream(x)`")
+        with pytest.raises(TypeError) as caught:
+            await refused[1]
+        assert str(caught.value) == (
+            "stream() is not awaited: in async code iterate `async for item in "
+            "runner.astream(x)`, or await runner.agenerate(x) for the list")
+        assert [i async for i in counts.astream(2)] == items(2)
+        return refused
+
+    refused = asyncio.run(main())
+    assert [repr(s).endswith(": ended>") for s in refused] == [True, True]
+    assert [list(s) for s in refused] == [[], []]
+    assert counts.wait_idle(5) is True
+    assert counts.healthy and counts.generate(2) == items(2)
+
+
+def test_a_refused_async_for_gives_its_items_segments_back():
+    with DistributedRunner(Frames, world_size=2, init_process_group=False, device="cpu",
+                           call_timeout=20.0) as runner:
+        runner.generate({"n": 1, "shared": True})
+        before = len(our_shm_entries())
+        held = []
+
+        async def misuse() -> None:
+            held.append(runner.stream({"n": 4, "shared": True}))
+            with pytest.raises(TypeError, match="in async code use `async for"):
+                async for _ in held[-1]:
+                    pass
+
+        for _ in range(4):
+            asyncio.run(misuse())
+            assert runner.wait_idle(10) is True
+        runner.generate({"n": 0})  # carries the last releases
+        assert len(our_shm_entries()) <= before + 4  # not 16 frames held in segments
+
+
+def test_async_for_over_a_stream_being_read_leaves_it_open(counts):
+    stream = counts.stream(3)
+    assert next(stream) == items(1)[0]
+
+    async def main() -> None:
+        with pytest.raises(TypeError, match=r"use `async for item in runner\.astream\(x\)`"):
+            async for _ in stream:
+                pass
+
+    asyncio.run(main())
+    assert list(stream) == items(3)[1:]
