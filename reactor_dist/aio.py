@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -88,14 +89,27 @@ async def wait_idle(queue: CallQueue, timeout: float | None) -> bool:
     return idle
 
 
+def _who() -> str:
+    task = asyncio.current_task()
+    name = task.get_name() if task is not None else "no task"
+    return f"task {name!r} in thread {threading.current_thread().name!r}"
+
+
 class AsyncStream:
     """``async for item in runner.astream(x)``: :class:`reactor_dist.stream.Stream`'s
-    rules, awaited.  The call is sent at the first ``__anext__``."""
+    rules, awaited.  The call is sent at the first ``__anext__``.
+
+    One reader at a time: an ``__anext__`` while another task's (or another loop's) is
+    still waiting raises RuntimeError at once, touching nothing, since two readers would
+    split the items between them (and two first ones would send the call twice).  Taking
+    turns is fine, so ``asyncio.wait_for(stream.__anext__(), t)`` works."""
 
     def __init__(self, queue: CallQueue, value: Any, timeout: float | None) -> None:
         self._queue, self._value, self._timeout = queue, value, timeout
         self._call: Call | None = None
         self._done = False
+        self._reading = threading.Lock()  # held by the one __anext__ under way
+        self._reader = ""
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -109,6 +123,20 @@ class AsyncStream:
                         "runner.astream(x)`, or await runner.agenerate(x) for the list")
 
     async def __anext__(self) -> Any:
+        if not self._reading.acquire(blocking=False):
+            raise RuntimeError(
+                f"this astream() is read by one task at a time: {self._reader} is awaiting "
+                f"its next item, so __anext__() from {_who()} is refused (two readers would "
+                "split its items between them). Read it with one `async for` and hand the "
+                "items to other tasks through an asyncio.Queue, or start one "
+                "runner.astream(x) per task")
+        try:
+            self._reader = _who()
+            return await self._next()
+        finally:
+            self._reading.release()
+
+    async def _next(self) -> Any:
         if self._done:
             raise StopAsyncIteration
         queue = self._queue

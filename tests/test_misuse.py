@@ -11,7 +11,7 @@ import threading
 
 import pytest
 from conftest import our_shm_entries
-from stream_workers import Counts, Frames
+from stream_workers import Counts, Frames, WaitsForTheCaller
 
 from reactor_dist import DistributedRunner
 
@@ -79,6 +79,44 @@ def test_the_thread_that_takes_the_first_item_owns_the_stream(counts):
 def test_one_stream_per_thread_is_the_way(counts):
     got = [in_thread(f"t{t}", lambda: list(counts.stream(3))) for t in range(2)]
     assert got == [("returned", items(3))] * 2
+
+
+# -- one astream, two tasks --------------------------------------------------------------------
+def test_a_second_task_is_refused_while_the_first_awaits_and_loses_nothing(tmp_path):
+    seen = tmp_path / "seen"
+
+    async def main() -> None:
+        with DistributedRunner(WaitsForTheCaller, world_size=2, init_process_group=False,
+                               device="cpu", call_timeout=20.0) as runner:
+            stream = runner.astream(str(seen))
+            got = [await stream.__anext__()]
+            owner = asyncio.create_task(stream.__anext__(), name="owner")
+            await asyncio.sleep(0)  # owner awaits item 1: rank 0 waits for the file
+            with pytest.raises(RuntimeError) as caught:
+                await asyncio.create_task(stream.__anext__(), name="second")
+            assert str(caught.value) == (
+                "this astream() is read by one task at a time: task 'owner' in thread "
+                "'MainThread' is awaiting its next item, so __anext__() from task 'second' "
+                "in thread 'MainThread' is refused (two readers would split its items "
+                "between them). Read it with one `async for` and hand the items to other "
+                "tasks through an asyncio.Queue, or start one runner.astream(x) per task")
+            seen.touch()
+            got.append(await owner)
+            got += [i async for i in stream]
+            assert got == ["first", "seen"]  # every item, in order, to the one reader
+            assert runner.healthy and await runner.await_idle(5) is True
+            assert await runner.agenerate(str(seen)) == ["first", "seen"]
+
+    asyncio.run(main())
+
+
+def test_tasks_taking_turns_on_one_astream_is_fine(counts):
+    async def main() -> list:
+        stream = counts.astream(3)
+        got = [await asyncio.wait_for(stream.__anext__(), 10) for _ in range(3)]
+        return got + [i async for i in stream]
+
+    assert asyncio.run(main()) == items(3)
 
 
 # -- async for over stream() -------------------------------------------------------------------
