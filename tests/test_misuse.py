@@ -6,8 +6,11 @@ lost, nothing left in flight, the runner healthy."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import inspect
 import re
 import threading
+import warnings
 
 import pytest
 from conftest import our_shm_entries
@@ -174,3 +177,70 @@ def test_async_for_over_a_stream_being_read_leaves_it_open(counts):
 
     asyncio.run(main())
     assert list(stream) == items(3)[1:]
+
+
+# -- areset() / ashutdown() never awaited ------------------------------------------------------
+def next_call(runner) -> int:
+    """The number the next call sent gets (a stream's repr shows it): what was sent."""
+    stream = runner.stream(0)
+    assert list(stream) == []
+    return int(re.search(r"\(call (\d+)\)", repr(stream)).group(1))
+
+
+def never_awaited(call) -> list[warnings.WarningMessage]:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        call()
+        gc.collect()
+    return record
+
+
+def test_areset_never_awaited_warns_at_the_callers_line_and_sends_nothing(counts):
+    sent = next_call(counts)
+    record = never_awaited(lambda: counts.areset())
+    line = inspect.currentframe().f_lineno - 1
+    assert [(w.category, str(w.message), w.filename, w.lineno) for w in record] == [(
+        RuntimeWarning,
+        "runner.areset() was never awaited, so reset() did not run on the ranks: they keep "
+        "their session state. In async code write `await runner.areset()`; outside async "
+        "code call runner.reset()", __file__, line)]  # and not Python's own warning
+    assert next_call(counts) == sent + 1  # nothing was sent in between
+    assert counts.healthy
+
+
+def test_ashutdown_never_awaited_says_the_runner_still_runs(counts):
+    record = never_awaited(lambda: counts.ashutdown())
+    assert [(w.category, str(w.message)) for w in record] == [(
+        RuntimeWarning,
+        "runner.ashutdown() was never awaited, so the runner was not shut down: its ranks "
+        "keep running until runner.shutdown() or the interpreter's exit. In async code "
+        "write `await runner.ashutdown()`; outside async code call runner.shutdown()")]
+    assert counts.healthy and counts.generate(1) == items(1)  # as the warning says
+
+
+def test_awaited_as_before_every_way_and_no_warning():
+    runner = DistributedRunner(Counts, world_size=2, init_process_group=False, device="cpu",
+                               call_timeout=20.0)
+
+    async def main() -> None:
+        await runner.astart()
+        sent = next_call(runner)
+        await runner.areset()
+        await asyncio.create_task(runner.areset())
+        await asyncio.gather(runner.areset())
+        cancelled = asyncio.create_task(runner.areset())
+        cancelled.cancel()  # before it ran: nothing is sent, as with a plain coroutine
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert next_call(runner) == sent + 4
+        with pytest.raises(ValueError, match="timeout"):
+            await runner.areset(timeout=-1)  # checked when awaited, as before
+        assert runner.healthy
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        asyncio.run(main())
+        asyncio.run(runner.ashutdown())  # asyncio.run takes it like a coroutine
+        gc.collect()
+    assert [w for w in record if issubclass(w.category, RuntimeWarning)] == []
+    assert not runner.healthy and "state=closed" in repr(runner)
