@@ -34,7 +34,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from . import blocking
 from .calls import Undecodable
@@ -106,13 +106,13 @@ class Stream:
     def __iter__(self) -> Stream:
         return self
 
-    def __aiter__(self):
+    def __aiter__(self) -> NoReturn:
         if self._owner is None:  # nobody reads it: its step ends, holding up nothing
             self.close()
         raise TypeError("stream() is iterated with `for`; in async code use `async for item "
                         "in runner.astream(x)`")
 
-    def __await__(self):
+    def __await__(self) -> NoReturn:
         if self._owner is None:
             self.close()
         raise TypeError("stream() is not awaited: in async code iterate `async for item in "
