@@ -362,6 +362,7 @@ class DistributedRunner:
         are sent in the order they asked, up to ``max_in_flight`` at once."""
         return await aio.call(self._queue, Method.GENERATE, input, self._timeout(timeout))
 
+    @aio.must_await
     async def areset(self, *, timeout: float | None | EllipsisType = ...) -> None:
         """:meth:`reset` for a task."""
         await aio.call(self._queue, Method.RESET, None, self._timeout(timeout))
@@ -375,6 +376,7 @@ class DistributedRunner:
         """:meth:`wait_idle` for a task."""
         return await aio.wait_idle(self._queue, self._timeout(timeout))
 
+    @aio.must_await
     async def ashutdown(self) -> None:
         """:meth:`shutdown`, in a thread of its own (it may wait for the ranks' grace)."""
         await asyncio.to_thread(self.shutdown)
