@@ -52,6 +52,16 @@ def check_devices(device: Any, gpus: Any, rank_output: Any,
     return gpus
 
 
+def check_placed_options(placed: bool, gpus: Any, rank_output: str) -> None:
+    """Options that a ``placement="ray"`` runner cannot honour."""
+    if placed and gpus is not None:
+        raise ValueError("gpus= and placement='ray' exclude each other: Ray assigns the "
+                         "GPUs (ray_bundle); leave gpus out")
+    if placed and rank_output == "log":
+        raise ValueError("rank_output='log' does not apply with placement='ray': Ray "
+                         "forwards the ranks' output lines (log_to_driver)")
+
+
 def warn_if_cores_short(world_size: int, device: str, placement: str) -> None:
     """More CPU ranks than this process's cores: they all run here and share the cores
     (8 ranks on 2 cores took 11.8 s to start).  Said at construction, before that slow
