@@ -92,8 +92,8 @@ class FileLimitTooLow(ReactorDistError, OSError):
 
 
 class PlacementFailed(ReactorDistError, RuntimeError):
-    """Ray could not place the ranks (placement="ray"): the cluster lacks the resources
-    the message names.  start() raises it; nothing stays reserved."""
+    """Ray could not place the ranks (placement="ray"): no Ray cluster was found, or it
+    lacks the resources the message names.  start() raises it; nothing stays reserved."""
 
 
 class RemoteError(ReactorDistError, RuntimeError):

@@ -114,6 +114,13 @@ def locate(cls: type) -> WorkerRef:
         path = getattr(module, "__file__", None)
         if spec is not None and spec.name and spec.name != "__main__":
             where = WorkerRef(module_name, qualname, main_module=spec.name)  # python -m app
+        elif path == "<stdin>":  # python - <<EOF, python < app.py: no file to run again
+            raise TypeError(
+                f"worker class {qualname} is defined in a script read from standard input, "
+                f"which the rank processes cannot import. Save the script to a file and run "
+                f"that (python app.py), or put the worker class in a .py module and import "
+                f"it from there."
+            )
         elif path:
             where = WorkerRef(module_name, qualname, main_path=path)  # python app.py
         else:
