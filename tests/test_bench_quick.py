@@ -1,6 +1,7 @@
 """`make bench-quick` must keep working: it runs, cleans up after itself and writes its
 results file and plots, and leaves docs/performance.md (the site's bench tables)
-alone. Timings are not checked (benchmarks measure, never assert). Slow (a minute or more on 2 cores): `make test-slow` runs it."""
+alone. Timings are not checked (benchmarks measure, never assert). Slow (a minute or
+more on 2 cores): `make test-slow` runs it."""
 
 from __future__ import annotations
 
