@@ -1,4 +1,4 @@
-"""The exceptions of the error contract (docs/design.md, "Error contract"), and how a
+"""The exceptions of the error contract (docs/errors-and-recovery.md, "The error contract"), and how a
 rank's exception survives the trip to the caller.
 
 A rank's exception is pickled with its type, args and formatted traceback.  The
