@@ -94,11 +94,11 @@ $(DOCS_STAMP): pyproject.toml
 	touch $@
 
 docs: $(DOCS_STAMP)
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 # The site while you edit it, on 127.0.0.1 only.
 docs-serve: $(DOCS_STAMP)
-	$(VENV)/bin/mkdocs serve -a 127.0.0.1:8000
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve -a 127.0.0.1:8000
 
 lint: venv
 	$(VENV)/bin/ruff check reactor_dist workers tests benchmarks examples
