@@ -1,5 +1,5 @@
-"""The exceptions of the error contract (docs/design.md, "Error contract"), and how a
-rank's exception survives the trip to the caller.
+"""The exceptions of the error contract (stated once, in docs/errors-and-recovery.md,
+"The error contract"), and how a rank's exception survives the trip to the caller.
 
 A rank's exception is pickled with its type, args and formatted traceback.  The
 caller gets the same type and args back with the remote traceback attached as
