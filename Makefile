@@ -15,7 +15,7 @@ RAY_SPEC ?= ray==2.60.0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER = 0
 export RAY_USAGE_STATS_ENABLED = 0
 
-.PHONY: venv venv-ray test test-slow prometheus metrics-dashboard stress demo bench bench-quick bench-per-call bench-pipelined bench-recovery gpu-check lint clean
+.PHONY: venv venv-ray docs docs-serve test test-slow prometheus metrics-dashboard stress demo bench bench-quick bench-per-call bench-pipelined bench-recovery gpu-check lint clean
 
 venv: $(VENV)/.installed
 
@@ -65,11 +65,11 @@ demo: venv
 metrics-dashboard: venv prometheus
 	$(PY) -m benchmarks.metrics_dashboard
 
-# A full run also rewrites README.md's Performance section (between its bench markers).
+# A full run also rewrites docs/performance.md's tables (between its bench markers).
 bench: venv-ray
 	$(PY) -m benchmarks.run
 
-# Results under benchmarks/results/ only; README.md is left alone.
+# Results under benchmarks/results/ only; docs/performance.md is left alone.
 bench-quick: venv-ray
 	$(PY) -m benchmarks.run --quick
 
@@ -91,8 +91,25 @@ bench-recovery: venv
 gpu-check: venv
 	$(PY) -m benchmarks.gpu_check
 
+# The documentation site (mkdocs.yml, docs/): the `docs` extra into the same .venv on first
+# use, without torch or ray (mkdocstrings reads the source, it imports nothing), then a
+# --strict build into site/: a broken link or an API reference that does not resolve fails.
+DOCS_STAMP := $(VENV)/.docs-installed
+
+$(DOCS_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+# The site while you edit it, on 127.0.0.1 only.
+docs-serve: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve -a 127.0.0.1:8000
+
 lint: venv
 	$(VENV)/bin/ruff check reactor_dist workers tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) out build *.egg-info
+	rm -rf $(VENV) out build site *.egg-info

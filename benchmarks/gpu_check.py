@@ -7,7 +7,7 @@ with a timeout (all of them within ``BUDGET_S``):
    and formed in ``start()``, an ``all_gather`` on CUDA and on CPU tensors,
    ``shared_empty`` filled from the device (and page-locked), a CUDA tensor returned by
    rank 0, timings with a deliberately slow rank, ``reactor-dist doctor --device cuda``;
-2. the README Quickstart as printed (world_size 2: skipped on one GPU);
+2. the Quickstart (docs/index.md, the README's too) as printed (world_size 2: skipped on one GPU);
 3. the demo with ``--device cuda``;
 4. the frame timings (``--frames``): 97 MB of frames on the GPU returned as
    ``.cpu().numpy()`` and through ``shared_empty``, and device-to-host copies into pinned
@@ -101,8 +101,8 @@ def check(n: int) -> int:
     steps = [
         (f"GPU-marked tests, world_size {n}", [py, "-m", "pytest", "-q", "-m", "gpu",
                                                "tests/test_gpu.py"], 270),
-        ("README Quickstart as printed", [py, "-m", "pytest", "-q",
-                                          "tests/test_readme.py::test_quickstart_runs_as_printed"]
+        ("Quickstart as printed", [py, "-m", "pytest", "-q",
+                                   "tests/test_docs_examples.py::test_quickstart_runs_as_printed"]
          if n >= 2 else None, 60),
         (f"demo --device cuda, world_size {demo_ranks}",
          [py, "examples/demo.py", "--device", "cuda", "--world-size", str(demo_ranks),

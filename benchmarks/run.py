@@ -1,10 +1,11 @@
 """``python -m benchmarks.run [--quick] [--out DIR]``: run every family, print the table,
 write ``<out>/<date>-<host>.md`` and PNG plots beside it.
 
-A full run into the default directory also rewrites README.md's Performance section
-(between ``<!-- bench:start -->`` and ``<!-- bench:end -->``) and ``docs/bench_overview.png``
-(the plot the README shows), so both always come from one run on one machine. A quick
-run, or a run with ``--out``, leaves README.md alone.
+A full run into the default directory also rewrites the tables of the site's Performance
+page, docs/performance.md (between ``<!-- bench:start -->`` and ``<!-- bench:end -->``),
+and ``docs/bench_overview.png`` (the plot that page shows), so both always come from one
+run on one machine. A quick run, or a run with ``--out``, leaves them alone. README.md's
+headline numbers are static text.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from benchmarks.report.results import Results, Row
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results"
-README = HERE.parent / "README.md"
+PERFORMANCE_PAGE = HERE.parent / "docs" / "performance.md"
 DOCS_PLOT = HERE.parent / "docs" / "bench_overview.png"
 
 
@@ -66,7 +67,7 @@ def markdown(rows: list[Row], r: Results, s: Settings, *, stem: str, when: str,
 
 def readme_section(rows: list[Row], *, when: str, plot: str, wall_s: float,
                    load: str) -> str:
-    """What goes between the README's markers (its "## Performance" heading stays)."""
+    """What goes between the Performance page's markers (its headings stay)."""
     return "\n".join([
         f"Measured by `make bench` on {when}: {machine.describe()}; {load}. "
         "Each figure is the median over repeated trials (spread in the results file), "
@@ -138,10 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None and not s.quick:
         DOCS_PLOT.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(pngs[0], DOCS_PLOT)
-        plot_ref = DOCS_PLOT.relative_to(HERE.parent).as_posix()
-        readme.update(README, readme_section(rows, when=when, plot=plot_ref, wall_s=wall,
-                                                   load=load))
-        print(f"wrote {README}'s Performance section and {DOCS_PLOT}", file=sys.stderr)
+        plot_ref = DOCS_PLOT.name  # beside docs/performance.md
+        readme.update(PERFORMANCE_PAGE, readme_section(rows, when=when, plot=plot_ref,
+                                                       wall_s=wall, load=load))
+        print(f"wrote {PERFORMANCE_PAGE}'s tables and {DOCS_PLOT}", file=sys.stderr)
     return 1 if (r.notes or problems) else 0
 
 

@@ -10,15 +10,23 @@ calls of different tasks are in flight together, sent in the order the tasks ask
 Cancelling a task raises CancelledError in it at once and leaves the runner healthy:
 a call already sent still runs on the ranks and counts as in flight until they
 answer it (its answer is discarded); a call still waiting for its turn is never sent.
+
+``runner.areset()`` and ``runner.ashutdown()`` return None, so a missing ``await`` goes
+unnoticed: their coroutine, never awaited, warns with what it did not do and what to
+write instead (:func:`must_await`), in place of Python's bare "never awaited".
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import sys
+import threading
 import time
-from collections.abc import Callable
-from typing import Any
+import warnings
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any, ParamSpec, TypeVar
 
 from .call_queue import CallQueue
 from .calls import Call
@@ -88,14 +96,27 @@ async def wait_idle(queue: CallQueue, timeout: float | None) -> bool:
     return idle
 
 
+def _who() -> str:
+    task = asyncio.current_task()
+    name = task.get_name() if task is not None else "no task"
+    return f"task {name!r} in thread {threading.current_thread().name!r}"
+
+
 class AsyncStream:
     """``async for item in runner.astream(x)``: :class:`reactor_dist.stream.Stream`'s
-    rules, awaited.  The call is sent at the first ``__anext__``."""
+    rules, awaited.  The call is sent at the first ``__anext__``.
+
+    One reader at a time: an ``__anext__`` while another task's (or another loop's) is
+    still waiting raises RuntimeError at once, touching nothing, since two readers would
+    split the items between them (and two first ones would send the call twice).  Taking
+    turns is fine, so ``asyncio.wait_for(stream.__anext__(), t)`` works."""
 
     def __init__(self, queue: CallQueue, value: Any, timeout: float | None) -> None:
         self._queue, self._value, self._timeout = queue, value, timeout
         self._call: Call | None = None
         self._done = False
+        self._reading = threading.Lock()  # held by the one __anext__ under way
+        self._reader = ""
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -109,6 +130,20 @@ class AsyncStream:
                         "runner.astream(x)`, or await runner.agenerate(x) for the list")
 
     async def __anext__(self) -> Any:
+        if not self._reading.acquire(blocking=False):
+            raise RuntimeError(
+                f"this astream() is read by one task at a time: {self._reader} is awaiting "
+                f"its next item, so __anext__() from {_who()} is refused (two readers would "
+                "split its items between them). Read it with one `async for` and hand the "
+                "items to other tasks through an asyncio.Queue, or start one "
+                "runner.astream(x) per task")
+        try:
+            self._reader = _who()
+            return await self._next()
+        finally:
+            self._reading.release()
+
+    async def _next(self) -> Any:
         if self._done:
             raise StopAsyncIteration
         queue = self._queue
@@ -151,3 +186,68 @@ class AsyncStream:
         if not getattr(self, "_done", True):
             with contextlib.suppress(Exception):  # never raise from a finalizer
                 self.close()
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+# What a method's coroutine, never awaited, did not do; and its synchronous twin.
+_NOT_DONE = {
+    "areset": ("reset() did not run on the ranks: they keep their session state", "reset"),
+    "ashutdown": ("the runner was not shut down: its ranks keep running until "
+                  "runner.shutdown() or the interpreter's exit", "shutdown"),
+}
+
+
+class _MustAwait(Coroutine):
+    """A coroutine that, collected without ever running, warns what to write instead.
+
+    It is a :class:`collections.abc.Coroutine`, so ``await``, ``create_task`` and
+    ``asyncio.run`` take it as they take the coroutine it wraps, cancellation included."""
+
+    __slots__ = ("_coro", "_ran", "_warning", "_at")
+
+    def __init__(self, coro: Coroutine, warning: str, at: tuple[str, int, str]) -> None:
+        self._coro, self._warning, self._at = coro, warning, at
+        self._ran = False
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        self._ran = True
+        return self._coro.__await__()
+
+    def send(self, value: Any) -> Any:
+        self._ran = True
+        return self._coro.send(value)
+
+    def throw(self, *exc: Any) -> Any:
+        self._ran = True
+        return self._coro.throw(*exc)
+
+    def close(self) -> None:
+        self._ran = True
+        self._coro.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_ran", True):
+            self._coro.close()  # an unstarted coroutine, closed: no warning of Python's own
+            filename, lineno, module = self._at
+            warnings.warn_explicit(self._warning, RuntimeWarning, filename, lineno, module)
+
+
+def must_await(method: Callable[P, Coroutine[Any, Any, T]]
+               ) -> Callable[P, Coroutine[Any, Any, T]]:
+    """The runner's ``areset``/``ashutdown``: never awaited, they warn, at the caller's
+    line, what did not happen and what to write (``await runner.X()``, or the sync X)."""
+    name = method.__name__
+    not_done, sync = _NOT_DONE[name]
+    warning = (f"runner.{name}() was never awaited, so {not_done}. In async code write "
+               f"`await runner.{name}()`; outside async code call runner.{sync}()")
+
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, T]:
+        caller = sys._getframe(1)
+        at = (caller.f_code.co_filename, caller.f_lineno,
+              caller.f_globals.get("__name__", "__main__"))
+        return _MustAwait(method(*args, **kwargs), warning, at)
+
+    return call

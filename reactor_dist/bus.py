@@ -16,7 +16,7 @@ message's later frames never fail), and then for every rank: a command reaches e
 rank or none.  :meth:`Bus.try_publish` tries once; :meth:`Bus.publish` retries until
 its deadline (POLLOUT means nothing on an XPUB: ZeroMQ says "writable" whatever the
 pipes hold, so it sleeps between tries).  Which command does what at the bound is
-told in docs/design.md ("No command is lost").
+told in docs/design/wire.md ("No command is lost").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The exceptions of the error contract (docs/design.md, "Error contract"), and how a
-rank's exception survives the trip to the caller.
+"""The exceptions of the error contract (stated once, in docs/errors-and-recovery.md,
+"The error contract"), and how a rank's exception survives the trip to the caller.
 
 A rank's exception is pickled with its type, args and formatted traceback.  The
 caller gets the same type and args back with the remote traceback attached as
@@ -92,8 +92,8 @@ class FileLimitTooLow(ReactorDistError, OSError):
 
 
 class PlacementFailed(ReactorDistError, RuntimeError):
-    """Ray could not place the ranks (placement="ray"): the cluster lacks the resources
-    the message names.  start() raises it; nothing stays reserved."""
+    """Ray could not place the ranks (placement="ray"): no Ray cluster was found, or it
+    lacks the resources the message names.  start() raises it; nothing stays reserved."""
 
 
 class RemoteError(ReactorDistError, RuntimeError):

@@ -16,7 +16,7 @@ is aborted by torch, so a rank that raised before a collective does not leave th
 spinning for an hour.
 
 Backends: torch 2.13's ``"nccl"`` serves CUDA tensors only, and a model's CPU-side
-collectives (the README Quickstart's all_gather of CPU tensors) would raise "No backend
+collectives (the Quickstart's all_gather of CPU tensors) would raise "No backend
 type associated with device type cpu".  A CUDA rank's group therefore has a backend per
 device (:data:`CUDA_BACKENDS`), and is bound to the rank's GPU (``device_id=``): NCCL
 then forms its communicator inside ``init_process_group``, during ``start()`` and under

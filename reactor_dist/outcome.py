@@ -1,21 +1,10 @@
 """The error contract as one pure function: what each rank did -> what the caller gets.
 
-=====================================================  ==============================  ==========
-what the ranks did in one call                         the caller gets                 runner
-=====================================================  ==============================  ==========
-every rank returned                                    rank 0's result                 healthy
-every rank raised the same exception type              rank 0's exception              healthy
-rank 0's result could not be delivered, others         that delivery error             healthy
-returned (it did not pickle, /dev/shm was full, it
-did not unpickle in the caller)
-some ranks raised, others returned                     RankDesync naming the first     unusable
-                                                       failing rank (``__cause__``)
-ranks raised different exception types                 RankDesync naming each type     unusable
-=====================================================  ==============================  ==========
-
-An undeliverable result on rank 0 beside other ranks' exceptions is judged as
-one more exception.  Crashes and timeouts never get here: the supervisor raises
-them while it waits (:mod:`reactor_dist.supervisor`).
+The contract's table is stated once, in docs/errors-and-recovery.md ("The error
+contract"); :func:`judge` decides its rows for a call whose every rank answered. An
+undeliverable result on rank 0 beside other ranks' exceptions is judged as one more
+exception. Crashes and timeouts never get here: the supervisor raises them while it
+waits (:mod:`reactor_dist.supervisor`).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from typing import Any
 from .errors import PlacementFailed, WorkerTimeout
 from .host import RankHost
 from .protocol import Bootstrap, torchrun_env
-from .ray_view import THREADS_ENV, check_own_gpus, local_place
+from .ray_view import THREADS_ENV, check_own_gpus, connect, local_place
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 RAY_EXTRA = "pip install 'reactor-dist[ray]'"
@@ -131,7 +131,7 @@ class RayGroup:
         is left of start_timeout, ``stated``)."""
         ray = self.ray
         if not ray.is_initialized():
-            ray.init(address="auto", include_dashboard=False, logging_level=logging.WARNING)
+            connect(ray, timeout)
         self.node = ray.get_runtime_context().get_node_id()
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         # Each node's address as Ray reports it (never a guess at this machine's address).

@@ -305,7 +305,8 @@ class RankServer:
             try:
                 descriptors, payload, _ = transfer.encode(
                     result, self.results, "the result of generate() on rank 0",
-                    holders=(CALLER,), reuse_segments=True, inline_limit=self.inline_limit)
+                    holders=(CALLER,), reuse_segments=True, inline_limit=self.inline_limit,
+                    verb="return")
                 if descriptors:
                     reply[Field.DESCRIPTORS] = descriptors
             except BaseException as exc:
@@ -346,19 +347,12 @@ class RankServer:
 
     def send_item(self, seq: int, index: int, item: Any) -> BaseException | None:
         """Rank 0 sends one item; the delivery failure, if it cannot."""
-        what = f"item {index} of generate() on rank 0"
         try:
             descriptors, payload, _ = transfer.encode(
-                item, self.results, what, holders=(CALLER,), reuse_segments=True,
-                inline_limit=self.inline_limit)
-        except SharedMemoryExhausted as exc:
+                item, self.results, f"item {index} of generate() on rank 0", holders=(CALLER,),
+                reuse_segments=True, inline_limit=self.inline_limit, verb="yield")
+        except Exception as exc:  # as for a result: no room, over the bound, no pickle
             return exc
-        except Exception as exc:
-            failure = TypeError(
-                f"{what} (a {type(item).__name__}) cannot be pickled "
-                f"({type(exc).__name__}: {exc}); items must pickle like results")
-            failure.__cause__ = exc
-            return failure
         del item
         message: dict[str, Any] = {Field.KIND: Kind.ITEM, Field.SEQ: seq, Field.INDEX: index}
         if descriptors:

@@ -1,4 +1,8 @@
-"""What a Ray-placed rank sees: its GPUs, its place on its node, its CPU threads.
+"""What Ray shows: the cluster the runner joins, and what a Ray-placed rank sees (its
+GPUs, its place on its node, its CPU threads).
+
+The runner joins the cluster at RAY_ADDRESS, else the one ``ray start`` runs on this
+machine ("auto"); where none runs it says so at once, with how to start one.
 
 Ray narrows each GPU actor's ``CUDA_VISIBLE_DEVICES`` to the GPUs it assigned it, so a
 rank of a ``{"GPU": n}`` bundle sees its own GPUs alone, as ``cuda:0`` .. ``cuda:n-1``.
@@ -17,12 +21,38 @@ What torchrun-style code derives from the environment must match that view:
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
+from typing import Any
 
 from .errors import PlacementFailed
 
 NOSET_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 THREADS_ENV = "OMP_NUM_THREADS"
+
+
+def connect(ray: Any, timeout: float) -> None:
+    """ray.init to the running cluster (RAY_ADDRESS, else "auto"), or PlacementFailed at
+    once where none runs: Ray itself would retry a closed RAY_ADDRESS for minutes."""
+    address = os.environ.get("RAY_ADDRESS", "")
+    where = f"RAY_ADDRESS={address}" if address else \
+        'address "auto" (RAY_ADDRESS is not set, and no cluster runs on this machine)'
+    fix = ("Start one on this machine with `ray start --head` (or set RAY_ADDRESS to a "
+           "running cluster's address), or try it locally on a two-node cluster of "
+           "ray.cluster_utils.Cluster (docs: \"More than one machine\"); nothing was started")
+    host, _, port = address.split("://")[-1].rpartition(":")
+    if host and port.isdigit():  # host:port or ray://host:port
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), min(timeout, 5)).close()
+        except OSError as exc:
+            raise PlacementFailed(f'placement="ray" found no Ray cluster at {where} '
+                                  f"({exc}). {fix}") from exc
+    try:
+        ray.init(address="auto", include_dashboard=False, logging_level=logging.WARNING)
+    except ConnectionError as exc:  # Ray's "Could not find any running Ray instance"
+        raise PlacementFailed(f'placement="ray" found no Ray cluster at {where}. {fix}'
+                              ) from exc
 
 
 def gpu_view() -> tuple[list[str], str | None]:

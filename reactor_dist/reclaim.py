@@ -4,7 +4,7 @@ the whole exchange: :mod:`reactor_dist.rank_memory`).
 :class:`MemoryReturn` belongs to :class:`reactor_dist.calls.CallPath`: it passes the
 caller's releases on to rank 0 (RELEASE), answers rank 0's STARVED, and runs a
 RECLAIM round when an input does not fit.  None of it ever waits on a full pipe but
-the reclaim round, within the call's timeout (see docs/design.md, "No command is
+the reclaim round, within the call's timeout (see docs/design/wire.md, "No command is
 lost").
 """
 

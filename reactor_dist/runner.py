@@ -2,12 +2,12 @@
 
 States::
 
-    new --start()--> ready --crash / timeout / desync--> unusable
-     |                ^  |                                  |
-     |                +--|---- restarting <--- restart() ---+ (or max_restarts)
-     +-------------------+------------- shutdown() ---------> closed
+    new --start()--> healthy --crash / timeout / desync--> unusable
+     |                ^    |                                  |
+     |                +----|---- restarting <--- restart() ---+ (or max_restarts)
+     +---------------------+------------- shutdown() ---------> closed
 
-Only ``ready`` accepts calls.  An unusable or closed runner refuses every call
+Only ``healthy`` accepts calls.  An unusable or closed runner refuses every call
 at once with a RuntimeError that says "unusable" and chains the failure that
 made it so; ``restart()`` brings an unusable runner back
 (:mod:`reactor_dist.restarts`); a step is never replayed.  The state, the order of
@@ -75,8 +75,8 @@ class DistributedRunner:
     (physical GPU ids, one per rank; sets CUDA_VISIBLE_DEVICES), ``env`` (extra
     environment of the ranks), ``launch_prefix`` (wraps each rank's command,
     ``{rank}`` substituted), ``shm_dir``, ``keep_free_segments`` (idle warm
-    segments each pool keeps), ``shutdown_grace`` (seconds a healthy group
-    gets to exit before SIGTERM), ``max_in_flight`` (calls sent and not yet answered,
+    segments each pool keeps), ``shutdown_grace`` (seconds the ranks of a healthy
+    runner get to exit before SIGTERM), ``max_in_flight`` (calls sent and not yet answered,
     at most: see :meth:`submit`) and ``rank_output`` ("stderr": each rank's lines,
     ``[rank N]``-prefixed, on this process's stderr; "log": as INFO records of the
     ``reactor_dist.rank`` logger).
@@ -111,11 +111,7 @@ class DistributedRunner:
             raise ValueError("restart_window must be a number of seconds, not None")
         gpus = check_devices(device, gpus, rank_output, world_size)
         ray = check_ray_options(placement, ray_bundle, ray_strategy)
-        if ray is not None and (gpus is not None or rank_output == "log"):
-            raise ValueError("gpus= and placement='ray' exclude each other: Ray assigns the "
-                             "GPUs (ray_bundle); leave gpus out" if gpus is not None else
-                             "rank_output='log' does not apply with placement='ray': Ray "
-                             "forwards the ranks' output lines (log_to_driver)")
+        validation.check_placed_options(ray is not None, gpus, rank_output)
         validation.warn_if_cores_short(world_size, device, placement)
         env = {str(k): str(v) for k, v in (env or {}).items()}
         self._gpus, self._device = gpus, device
@@ -362,6 +358,7 @@ class DistributedRunner:
         are sent in the order they asked, up to ``max_in_flight`` at once."""
         return await aio.call(self._queue, Method.GENERATE, input, self._timeout(timeout))
 
+    @aio.must_await
     async def areset(self, *, timeout: float | None | EllipsisType = ...) -> None:
         """:meth:`reset` for a task."""
         await aio.call(self._queue, Method.RESET, None, self._timeout(timeout))
@@ -375,6 +372,7 @@ class DistributedRunner:
         """:meth:`wait_idle` for a task."""
         return await aio.wait_idle(self._queue, self._timeout(timeout))
 
+    @aio.must_await
     async def ashutdown(self) -> None:
         """:meth:`shutdown`, in a thread of its own (it may wait for the ranks' grace)."""
         await asyncio.to_thread(self.shutdown)

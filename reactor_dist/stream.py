@@ -17,6 +17,12 @@ iterator collected) never blocks: the step runs to its end on every rank anyway
 remaining items' segments go back unread.  A Ctrl-C inside ``next()`` ends the
 stream like an interrupted ``generate()``.
 
+A stream is read by one thread: the thread that takes its first item owns it, and
+``next()`` from any other thread raises RuntimeError at once, touching nothing (two
+readers would split its items between them in silence).  ``async for`` over a stream
+raises TypeError (async code uses ``runner.astream(x)``); a stream nobody read yet is
+left then, so its step ends on every rank and holds up nothing.
+
 A stream's call is sent inside :func:`sending_stream`, so that an observer's ``sent``
 hook (which runs in the sending thread or task) tells it from a ``generate()`` by
 :func:`streaming` (traces name its span ``reactor_dist.stream``).
@@ -25,9 +31,10 @@ hook (which runs in the sending thread or task) tells it from a ``generate()`` b
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from . import blocking
 from .calls import Undecodable
@@ -87,6 +94,8 @@ class Stream:
         self._queue = queue
         self._call: Call | None = call
         self.what = f"the stream of {call.what}"
+        self._owner: threading.Thread | None = None  # the thread that reads it
+        self._claim = threading.Lock()
 
     @classmethod
     def send(cls, queue: CallQueue, value: Any, timeout: float | None) -> Stream:
@@ -97,7 +106,22 @@ class Stream:
     def __iter__(self) -> Stream:
         return self
 
+    def __aiter__(self) -> NoReturn:
+        if self._owner is None:  # nobody reads it: its step ends, holding up nothing
+            self.close()
+        raise TypeError("stream() is iterated with `for`; in async code use `async for item "
+                        "in runner.astream(x)`")
+
+    def __await__(self) -> NoReturn:
+        if self._owner is None:
+            self.close()
+        raise TypeError("stream() is not awaited: in async code iterate `async for item in "
+                        "runner.astream(x)`, or await runner.agenerate(x) for the list")
+
     def __next__(self) -> Any:
+        owner = self._owner or self._own()
+        if owner is not threading.current_thread():
+            raise self._not_the_owner(owner)
         call = self._call
         if call is None:
             raise StopIteration
@@ -107,6 +131,20 @@ class Stream:
             self._call = None
             raise
         return hand_out(self, more, item, StopIteration)
+
+    def _own(self) -> threading.Thread:
+        with self._claim:  # two threads' first next() at once: one of them owns it
+            if self._owner is None:
+                self._owner = threading.current_thread()
+            return self._owner
+
+    def _not_the_owner(self, owner: threading.Thread) -> RuntimeError:
+        return RuntimeError(
+            f"{self.what} is read by one thread: thread {owner.name!r} took its first item, "
+            f"so next() from thread {threading.current_thread().name!r} is refused (two "
+            "threads would split its items between them). Read it in that one thread and "
+            "hand the items to the others through a queue.Queue, or start one "
+            "runner.stream(x) per thread")
 
     def close(self) -> None:
         """Leave the stream: the step still ends on every rank, its other items unread."""

@@ -159,15 +159,31 @@ def _address(view: memoryview) -> int:
     return np.frombuffer(view, np.uint8).ctypes.data
 
 
+def _unpicklable(what: str, obj: Any, exc: BaseException, verb: str) -> TypeError:
+    """The one message for rank 0's result or item that does not pickle (``verb``:
+    "return" or "yield"): a TypeError, like pickle's own "cannot pickle" errors."""
+    return TypeError(
+        f"{what} (a {type(obj).__name__}) cannot be pickled ({type(exc).__name__}: {exc}): "
+        f"{verb} numpy arrays, tensors, plain Python data, or instances of a class defined "
+        f"at the top level of a module")
+
+
 def encode(obj: Any, ledger: Ledger, what: str, holders: Iterable[Hashable],
-           reuse_segments: bool = False,
-           inline_limit: int = INLINE_LIMIT) -> tuple[list[Descriptor], list, list[str]]:
+           reuse_segments: bool = False, inline_limit: int = INLINE_LIMIT,
+           verb: str | None = None) -> tuple[list[Descriptor], list, list[str]]:
     """``(descriptors, frames, segment names)`` for one payload.
 
-    Raises whatever pickling raises, or SharedMemoryExhausted — in both cases
-    before anything was sent.  ``holders`` hold every segment the payload lies in.
+    Raises, before anything was sent, SharedMemoryExhausted (no room), ValueError
+    (over the bus's bounds) or whatever pickling raises; given ``verb`` (rank 0's
+    results), a pickling failure is one TypeError that says what to send instead.
+    ``holders`` hold every segment the payload lies in.
     """
-    stream, buffers = dumps(obj, _room_check(ledger, what, inline_limit))
+    try:
+        stream, buffers = dumps(obj, _room_check(ledger, what, inline_limit))
+    except Exception as exc:
+        if verb is None or isinstance(exc, MemoryError):  # MemoryError: no room in shm
+            raise
+        raise _unpicklable(what, obj, exc, verb) from exc
     if len(stream) > wire.MAX_FRAME:  # the receiver would drop it unread
         raise ValueError(
             f"{what} pickles to {len(stream) >> 20} MiB in-band, above the bus's bound of "

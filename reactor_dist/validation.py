@@ -49,6 +49,16 @@ def check_devices(device: Any, gpus: Any, rank_output: Any,
     return gpus
 
 
+def check_placed_options(placed: bool, gpus: Any, rank_output: str) -> None:
+    """Options that a ``placement="ray"`` runner cannot honour."""
+    if placed and gpus is not None:
+        raise ValueError("gpus= and placement='ray' exclude each other: Ray assigns the "
+                         "GPUs (ray_bundle); leave gpus out")
+    if placed and rank_output == "log":
+        raise ValueError("rank_output='log' does not apply with placement='ray': Ray "
+                         "forwards the ranks' output lines (log_to_driver)")
+
+
 def warn_if_cores_short(world_size: int, device: str, placement: str) -> None:
     """More CPU ranks than this process's cores: they all run here and share the cores
     (8 ranks on 2 cores took 11.8 s to start).  Said at construction, before that slow
@@ -101,6 +111,13 @@ def locate(cls: type) -> WorkerRef:
         path = getattr(module, "__file__", None)
         if spec is not None and spec.name and spec.name != "__main__":
             where = WorkerRef(module_name, qualname, main_module=spec.name)  # python -m app
+        elif path == "<stdin>":  # python - <<EOF, python < app.py: no file to run again
+            raise TypeError(
+                f"worker class {qualname} is defined in a script read from standard input, "
+                f"which the rank processes cannot import. Save the script to a file and run "
+                f"that (python app.py), or put the worker class in a .py module and import "
+                f"it from there."
+            )
         elif path:
             where = WorkerRef(module_name, qualname, main_path=path)  # python app.py
         else:

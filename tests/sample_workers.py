@@ -398,6 +398,15 @@ class ReturnsUnpicklableResult(Faulty):
         return lambda: None
 
 
+class ReturnsLocalClassInstance(Faulty):
+    """Returns an instance of a class defined inside fault(): pickle cannot find the class."""
+
+    def fault(self):
+        class Box:
+            pass
+        return Box()
+
+
 class ReturnsResultThatCannotBeRebuilt(Faulty):
     """Returns a result that pickles on the rank but raises when the caller unpickles it."""
 

@@ -76,12 +76,15 @@ class RaisesAfter(DistributedWorker):
 
 
 class YieldsUnpicklable(DistributedWorker):
-    """Item 1 is a lambda: it cannot be sent (rank 0) and is ignored elsewhere."""
+    """The first ``n`` of 0, a lambda, 2: the lambda cannot be sent (rank 0) and is
+    ignored elsewhere."""
 
     def generate(self, n: int):
         yield 0
-        yield lambda: None
-        yield 2
+        if n > 1:
+            yield lambda: None
+        if n > 2:
+            yield 2
 
 
 class StreamFault(DistributedWorker):

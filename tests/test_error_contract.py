@@ -23,6 +23,7 @@ from sample_workers import (
     RaisesPerRank,
     Rank0RaisesOthersHang,
     ReportEnvironment,
+    ReturnsLocalClassInstance,
     ReturnsResultThatCannotBeRebuilt,
     ReturnsUnpicklableResult,
     SegfaultsOnRank,
@@ -218,11 +219,24 @@ def test_unpicklable_input_is_a_type_error_before_sending(world_size, log_dir, r
             assert f.read() == "echo 'after'\n"  # the bad call never reached a rank
 
 
-def test_unpicklable_result_is_an_error_but_runner_stays_healthy(runner_for):
-    with runner_for(ReturnsUnpicklableResult, 2) as runner:
-        with pytest.raises(Exception, match="pickle") as info:
+UNPICKLABLE_RESULT = (
+    "the result of generate() on rank 0 (a {type}) cannot be pickled (AttributeError: "
+    "Can't pickle local object '{local}'): return numpy arrays, tensors, plain Python data, "
+    "or instances of a class defined at the top level of a module")
+
+
+@pytest.mark.parametrize("worker, type_, local", [
+    (ReturnsUnpicklableResult, "function", "ReturnsUnpicklableResult.fault.<locals>.<lambda>"),
+    (ReturnsLocalClassInstance, "Box", "ReturnsLocalClassInstance.fault.<locals>.Box"),
+])
+def test_unpicklable_result_is_an_error_but_runner_stays_healthy(runner_for, worker, type_,
+                                                                 local):
+    with runner_for(worker, 2) as runner:
+        with pytest.raises(TypeError) as info:
             runner.generate(FAULT)
-        assert "local object" in str(info.value) or "lambda" in str(info.value)
+        assert str(info.value) == UNPICKLABLE_RESULT.format(type=type_, local=local)
+        assert isinstance(info.value.__cause__, RemoteTraceback)
+        assert "AttributeError: Can't pickle local object" in str(info.value.__cause__)
         assert runner.healthy
         assert runner.generate(3) == 3
 

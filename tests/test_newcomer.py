@@ -23,6 +23,7 @@ from reactor_dist import (
     ReactorDistError,
     RemoteTraceback,
     WorkerTimeout,
+    shm,
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,6 +87,31 @@ def test_a_script_without_the_main_guard_gets_one_clear_error(tmp_path):
     assert last.startswith("reactor_dist.errors.MainGuardMissing: a DistributedRunner was "
                            "built while a rank re-ran your script")
     assert 'under `if __name__ == "__main__":`' in last
+
+
+def test_a_worker_class_in_a_script_read_from_stdin_is_refused_at_construction(tmp_path):
+    script = textwrap.dedent("""
+        from reactor_dist import DistributedRunner, DistributedWorker, shm
+
+        class Doubler(DistributedWorker):
+            def generate(self, x, /):
+                return 2 * x
+
+        print(shm.owner_prefix(), flush=True)
+        runner = DistributedRunner(Doubler, world_size=2, device="cpu")
+        print("constructed", flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-"], input=script, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 1, out.stderr
+    prefix = out.stdout.strip()  # "constructed" never printed: refused in the constructor
+    assert prefix.startswith("rdist.") and "\n" not in prefix, out.stdout
+    assert out.stderr.strip().splitlines()[-1] == (
+        "TypeError: worker class Doubler is defined in a script read from standard input, "
+        "which the rank processes cannot import. Save the script to a file and run that "
+        "(python app.py), or put the worker class in a .py module and import it from there.")
+    assert [n for n in os.listdir(shm.DEFAULT_DIR) if n.startswith(prefix + ".")] == []
 
 
 def test_after_ctrl_c_a_short_timeout_says_the_ranks_still_run_the_interrupted_call():

@@ -1,4 +1,4 @@
-"""``python -m reactor_dist.numa``: the README's launch_prefix that binds each rank to the
+"""``python -m reactor_dist.numa``: the docs' launch_prefix that binds each rank to the
 CPUs of its GPU's NUMA node, on a machine's sysfs laid out in a directory."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
+from docs_pages import examples
 from numa_workers import CpuAffinity
-from test_readme import readme_blocks
 
 from reactor_dist import DistributedRunner
 from reactor_dist.numa import SYSFS_ENV
@@ -66,10 +66,10 @@ def test_without_a_node_the_rank_runs_unbound_and_says_why(two_socket_eight_gpus
     assert bad.returncode == 2 and "usage: python -m reactor_dist.numa RANK CMD" in bad.stderr
 
 
-def test_the_readme_numa_launch_prefix_binds_each_rank(two_socket_eight_gpus, monkeypatch):
-    (block,) = [b for b in readme_blocks("API") if "reactor_dist.numa" in b]
+def test_the_docs_numa_launch_prefix_binds_each_rank(two_socket_eight_gpus, monkeypatch):
+    (block,) = examples("docs/bring-your-own-model.md", "Binding each rank to its GPU's NUMA node")
     scope: dict = {}
-    exec(block, scope)  # the README's block as printed
+    exec(block, scope)  # the page's block as printed
     # ranks 0 and 1 on GPUs 3 and 4: one on each socket
     monkeypatch.setenv(SYSFS_ENV, two_socket_eight_gpus)
     with DistributedRunner(CpuAffinity, world_size=2, device="cpu", gpus=[3, 4],

@@ -23,6 +23,7 @@ import psutil
 import pytest
 import zmq
 from conftest import wait_gone
+from docs_pages import examples, run_block
 from probe import Probe
 from sample_workers import (
     FAULT,
@@ -38,7 +39,6 @@ from sample_workers import (
     Sleep,
 )
 from stream_workers import Frames
-from test_readme import readme_blocks, run_block
 
 from reactor_dist import (
     DistributedRunner,
@@ -534,6 +534,6 @@ def test_without_ray_installed_the_error_says_how_to_get_it():
 
 
 def test_more_than_one_machine_example_runs_as_printed(cluster, tmp_path, monkeypatch):
-    (block,) = readme_blocks("More than one machine")
+    (block,) = examples("docs/more-than-one-machine.md", "Placing the ranks")
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)  # what ray.init(address="auto") finds
     assert run_block(tmp_path, block) == "24.0"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -185,12 +184,9 @@ def test_traced_once_the_app_set_a_provider_and_nothing_imported_without(tmp_pat
     ]
 
 
-def test_readme_traces_example_runs_as_printed(tmp_path):
-    from test_readme import run_block
+def test_docs_traces_example_runs_as_printed(tmp_path):
+    from docs_pages import examples, run_block
 
-    with open(os.path.join(REPO, "README.md")) as f:
-        text = f.read()
-    section = text.split("### Traces (OpenTelemetry)\n", 1)[1].split("\n#", 1)[0]
-    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    (block,) = examples("docs/seeing-inside-a-step.md", "Traces (OpenTelemetry)")
     assert run_block(tmp_path, block).splitlines() == [
         "reactor_dist.start True ok", "reactor_dist.generate True ok", "request False None"]

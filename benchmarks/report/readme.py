@@ -1,5 +1,5 @@
-"""The README's Performance section: a full ``make bench`` into the default directory
-rewrites the text between two marker comments in README.md, and nothing else."""
+"""The Performance page's tables: a full ``make bench`` into the default directory
+rewrites the text between two marker comments in docs/performance.md, and nothing else."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def replace_between_markers(text: str, body: str) -> str:
     """``text`` with what lies between the markers replaced by ``body`` (the markers
     stay). Raises ValueError unless each marker occurs once, the start first."""
     if text.count(START) != 1 or text.count(END) != 1 or text.index(END) < text.index(START):
-        raise ValueError(f"README.md needs one {START} followed by one {END}")
+        raise ValueError(f"the page needs one {START} followed by one {END}")
     head = text[:text.index(START)]
     tail = text[text.index(END) + len(END):]
     return f"{head}{START}\n{body.strip()}\n{END}{tail}"

@@ -1,5 +1,5 @@
 """The table, as fixed-width text for the terminal and as markdown for the results file
-and the README, from the same cells so the two never disagree."""
+and the Performance page (docs/performance.md), from the same cells so the two never disagree."""
 
 from __future__ import annotations
 
