@@ -3,13 +3,15 @@ shared, and the caller's side and the rank's side never import each other.
 
 The modules stay flat in reactor_dist/ (users type ``python -m reactor_dist.rank``,
 ``reactor_dist.numa``, ``reactor_dist.metrics``, ``reactor_dist.tracing``); this test is
-what a package per side would otherwise enforce.  A rank runs in its own process, started
-by the runner: what the caller's side keeps (the call queue, the supervisor, the bus's
-runner end) has no business there, and the rank's own code (its serve loop, its torch
-group, its memory) none in the caller.  What both need (the protocol, the framing, the
-segments and their ledger, the payload codec, the exceptions) is shared, and imports
-neither side.  Every import counts: at module level, inside functions, under
-``TYPE_CHECKING``, ``importlib.import_module("reactor_dist.x")``.
+what a package per side would otherwise enforce; the sides are the "side" column of the
+design's module map (docs/design/modules.md), the one place they are written.
+
+A rank runs in its own process, started by the runner: what the caller's side keeps (the
+call queue, the supervisor, the bus's runner end) has no business there, and the rank's
+own code (its serve loop, its torch group, its memory) none in the caller.  What both
+need (the protocol, the framing, the segments and their ledger, the payload codec, the
+exceptions) is shared, and imports neither side.  Every import counts: at module level,
+inside functions, under ``TYPE_CHECKING``, ``importlib.import_module("reactor_dist.x")``.
 """
 
 from __future__ import annotations
@@ -24,60 +26,22 @@ import reactor_dist
 PACKAGE = pathlib.Path(reactor_dist.__file__).parent
 CALLER, RANK, SHARED = "caller", "rank", "shared"
 
-SIDES = {
-    # -- the caller's side: the runner, and everything that runs on its behalf
-    "__init__": CALLER,       # the public API: DistributedRunner (the worker base re-exported)
-    "__main__": CALLER,       # reactor-dist <command>: the doctor
-    "aio": CALLER,
-    "blocking": CALLER,
-    "bus": CALLER,            # the runner's end of the two sockets
-    "call_queue": CALLER,
-    "calls": CALLER,
-    "descriptors": CALLER,    # room for world_size ranks' sockets, checked before start
-    "doctor": CALLER,
-    "handshake": CALLER,
-    # host.py is the Ray actor that runs on the rank's node, but it is the runner's agent
-    # there: it starts the rank process as the supervisor does locally (processes.Ranks),
-    # forwards its output and ends it; it never runs a worker nor speaks the bus.
-    "host": CALLER,
-    "metrics": CALLER,
-    "observers": CALLER,
-    "outcome": CALLER,        # what the ranks did -> what the caller gets
-    "output": CALLER,         # the runner's reader of a rank's stdout/stderr
-    "placement": CALLER,
-    "processes": CALLER,      # starting, watching and ending the rank processes
-    "ray_view": CALLER,       # computed by the host actor for the rank it is about to start
-    "receiving": CALLER,
-    "reclaim": CALLER,        # the caller's half of giving shared memory back
-    "recovery": CALLER,
-    "releaser": CALLER,
-    "restarts": CALLER,
-    "runner": CALLER,
-    "stacks": CALLER,         # a silent rank's stacks, asked for by the runner
-    "stream": CALLER,
-    "supervisor": CALLER,
-    "timings": CALLER,        # the ranks send a duration (protocol); the statistics are here
-    "tracing": CALLER,
-    "validation": CALLER,     # construction checks, in DistributedRunner.__init__
-    # -- the rank's side: one rank's process
-    "collective_wait": RANK,
-    "group": RANK,            # the torch group
-    "host_pinning": RANK,     # page-locking rank 0's result segments
-    "numa": RANK,             # the launch prefix that execs the rank on its NUMA node
-    "rank": RANK,
-    "rank_memory": RANK,      # the rank's half of giving shared memory back
-    # -- shared: the formats and the codec both sides speak
-    "device": SHARED,         # which device a rank computes on: the doctor asks too
-    "errors": SHARED,         # raised in a rank, pickled, raised again in the caller
-    "ledger": SHARED,         # who holds which segment: one vocabulary on both sides
-    "progress": SHARED,       # the PROGRESS message's two ends: Reporter (rank), Display
-    "protocol": SHARED,
-    "shm": SHARED,
-    "timeouts": SHARED,
-    "transfer": SHARED,       # payloads into frames and segments, and back
-    "wire": SHARED,
-    "worker": SHARED,         # the user's base class, and how a rank finds the worker class
-}
+MODULE_MAP = pathlib.Path(__file__).parent.parent / "docs" / "design" / "modules.md"
+
+
+def sides_in_the_module_map() -> dict[str, str]:
+    """Each module's side, as the design's one module map states it (its "side" column):
+    the table is the rule, so the page and the test cannot disagree."""
+    sides = {}
+    for line in MODULE_MAP.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[1] in (CALLER, RANK, SHARED):
+            for name in cells[0].replace("`", "").split(","):
+                sides[name.strip().removesuffix(".py")] = cells[1]
+    return sides
+
+
+SIDES = sides_in_the_module_map()
 MAY_IMPORT = {CALLER: {CALLER, SHARED}, RANK: {RANK, SHARED}, SHARED: {SHARED}}
 
 
@@ -133,9 +97,9 @@ def crossings(sides: dict[str, str], sources: dict[str, str]) -> list[str]:
 
 def test_every_module_is_placed_on_a_side():
     missing, gone = sorted(modules() - set(SIDES)), sorted(set(SIDES) - modules())
-    assert not missing, (f"modules on no side: {missing}; put each in SIDES (tests/"
-                         f"test_layout.py) as caller, rank or shared")
-    assert not gone, f"SIDES names modules that no longer exist: {gone}"
+    assert not missing, (f"modules on no side: {missing}; give each a row in the module map "
+                         f"({MODULE_MAP.name}, side: caller, rank or shared)")
+    assert not gone, f"the module map names modules that no longer exist: {gone}"
 
 
 def test_the_callers_side_and_the_ranks_side_never_import_each_other():
