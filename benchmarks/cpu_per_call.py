@@ -7,9 +7,9 @@ the CPU it burns.  This prints, per trial, the wall time and the CPU per call of
 caller's main thread and of the ranks' (or bare peers') main threads, for ours and the
 floor in turn (``runner.generate(1)`` and the raw echo floor, as in ``make bench``).
 The rank processes are found from the outside, as this process's new children once
-the runner started: the benchmarks use only the public API.  A diagnostic for the
-README's "Where the per-call time goes"; it is not part of ``make bench`` and asserts
-nothing.
+the runner started: the benchmarks use only the public API.  A diagnostic for
+docs/performance.md's "Where the per-call time goes"; it is not part of ``make bench``
+and asserts nothing.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 Every cell is a fault at one phase of a 2-rank runner's life, on rank 0 or rank 1,
 by one means: raising, ``os._exit(3)``, SIGKILL, a real SIGSEGV, hanging.  Each
-cell checks the error that README.md's "Error contract" documents, its time bound (a
-death within 1 s of the moment it happened, measured from a stamp the dying rank
-writes; a hang within the timeout + 1 s), ``healthy`` as documented, and that after
+cell checks the error that the error contract (docs/errors-and-recovery.md) documents,
+its time bound (a death within 1 s of the moment it happened, measured from a stamp the
+dying rank writes; a hang within the timeout + 1 s), ``healthy`` as documented, and that after
 ``shutdown()`` no process, /dev/shm entry or ipc directory is left (explicitly here,
 and again by conftest's autouse fixture).
 
