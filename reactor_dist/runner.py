@@ -19,7 +19,6 @@ every method here is a thin layer over it, and the ranks' processes belong to
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 import threading
 import weakref
@@ -50,9 +49,6 @@ from .validation import (
     locate,
 )
 from .worker import check_not_rerunning_main
-
-log = logging.getLogger("reactor_dist")
-_warned_auto_cpu = False
 
 
 def _close(supervisor: Supervisor, queue: CallQueue) -> None:
@@ -261,7 +257,7 @@ class DistributedRunner:
                 raise
             queue.open()
             self._lifecycle_ended("start", began, None)
-            self._warn_if_no_cuda()
+            validation.warn_if_no_cuda(self._supervisor.devices, self._gpus, self._device)
 
     def _lifecycle_ended(self, name: str, began: float, error: BaseException | None) -> None:
         queue = self._queue
@@ -269,19 +265,6 @@ class DistributedRunner:
             observers = tell(queue.observers, "lifecycle", name, began, perf_counter(), error)
             with queue.lock:
                 queue.observers = observers
-
-    def _warn_if_no_cuda(self) -> None:
-        """gpus= or device="auto" on a machine without CUDA: the ranks run on CPU."""
-        global _warned_auto_cpu
-        if "cpu" not in self._supervisor.devices:
-            return
-        if self._gpus is not None:
-            log.warning("gpus=%s was given, but the ranks see no CUDA device: they run on "
-                        "CPU (pass device=\"cuda\" to make that an error)", self._gpus)
-        elif self._device == "auto" and not _warned_auto_cpu:
-            _warned_auto_cpu = True  # once per process: CPU is a normal place to develop
-            log.warning("device=\"auto\" found no CUDA device: the ranks run on CPU "
-                        "(pass device=\"cpu\" to say so and silence this)")
 
     def generate(self, input: Any, /, *,
                  timeout: float | None | EllipsisType = ...) -> Any:

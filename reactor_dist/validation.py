@@ -19,6 +19,7 @@ from .worker import DistributedWorker
 
 REQUIRED_METHODS = ("load", "generate", "reset")
 log = logging.getLogger("reactor_dist")
+_warned_auto_cpu = False
 
 
 def check_counts(**counts: Any) -> None:
@@ -154,3 +155,18 @@ def check_load_kwargs(load_kwargs: Any) -> dict[str, Any]:
                 f"pass a path or plain data and build the object inside load()"
             ) from None
     return dict(load_kwargs)
+
+
+def warn_if_no_cuda(devices: list[str], gpus: list[int] | None, device: str) -> None:
+    """After start(): gpus= or device="auto" on a machine without CUDA, the ranks run on
+    the CPU (``devices``: each rank's)."""
+    global _warned_auto_cpu
+    if "cpu" not in devices:
+        return
+    if gpus is not None:
+        log.warning("gpus=%s was given, but the ranks see no CUDA device: they run on "
+                    "CPU (pass device=\"cuda\" to make that an error)", gpus)
+    elif device == "auto" and not _warned_auto_cpu:
+        _warned_auto_cpu = True  # once per process: CPU is a normal place to develop
+        log.warning("device=\"auto\" found no CUDA device: the ranks run on CPU "
+                    "(pass device=\"cpu\" to say so and silence this)")
