@@ -41,7 +41,7 @@ def measure(settings: Settings, results: Results) -> None:
 def rows(results: Results, settings: Settings) -> list[Row]:
     s = settings
     return [
-        Row(section="Start-up (torch worker, process group)", case=f"start() world_size {ws}",
+        Row(section="Start-up (torch worker, torch group)", case=f"start() world_size {ws}",
             unit="s", ours=results.get("start", f"ws{ws}", OURS),
             floor=results.get("start", f"ws{ws}", FLOOR),
             floor_label='as many parallel `python -c "import torch"` as ranks, '
