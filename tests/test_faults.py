@@ -281,6 +281,17 @@ def check_call_fault(runner, phase, rank, means, outcome, stamp_dir) -> None:
     caught, elapsed = time.time(), time.monotonic() - started
     exc = info.value
     where = "reset()" if phase == "reset" else "generate()"
+    if outcome == "raises_healthy" and phase == "result_pickle":  # one message for all
+        assert type(exc) is TypeError, repr(exc)
+        assert str(exc) == (
+            "the result of generate() on rank 0 (a FaultOnPickle) cannot be pickled "
+            f"(InjectedFault: injected fault in {phase} on rank 0): return numpy arrays, "
+            "tensors, plain Python data, or instances of a class defined at the top level "
+            "of a module")
+        assert "sample_workers.InjectedFault: injected fault" in str(exc.__cause__)
+        assert elapsed < 1.0
+        assert_usable(runner)
+        return
     if outcome == "raises_healthy":
         assert type(exc) is InjectedFault, repr(exc)
         assert elapsed < 1.0

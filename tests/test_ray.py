@@ -234,7 +234,8 @@ def test_a_broken_lifeline_ends_the_ranks_and_is_a_crash(cluster):
     with placed_runner(call_timeout=30) as runner:
         placed = Probe(runner).placed
         Probe(runner).cut_lifelines()
-        with pytest.raises(WorkerCrashed, match="rank [01] .*died"):
+        # Both ranks die; the death watch may notice them one at a time or together.
+        with pytest.raises(WorkerCrashed, match=r"^rank (0|1|0, 1) died during generate\(\)"):
             runner.generate(Sleep(20))
         assert wait_gone([p[k] for p in placed for k in ("pid", "host_pid")], timeout=5) == []
 
