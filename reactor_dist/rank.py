@@ -214,7 +214,7 @@ class RankServer:
         self.send(reply, body)
 
     def rejoin(self, header: dict[str, Any]) -> None:
-        """restart(): this rank keeps its worker.  It leaves the old group, joins the new
+        """restart(): this rank keeps its worker.  It leaves the old torch group, joins the new
         one (with the replaced ranks, which form it in their INIT), and runs the worker's
         ``rejoin()`` to rebuild what depends on the group."""
         self.epoch = header[Field.EPOCH]

@@ -244,18 +244,19 @@ def test_no_test_reaches_a_private_name_of_the_library_but_probe():
 
 
 REACHES = [
-    "from reactor_dist.runner import _warned_auto_cpu",
+    "from reactor_dist.validation import _warned_auto_cpu",
     "from reactor_dist import _private",
     "import reactor_dist._inner",
-    "from reactor_dist import wire\nwire._mac(b'k', [])",
-    "import reactor_dist.wire as w\nw._mac(b'k', [])",
-    "import reactor_dist\nreactor_dist.runner._warned_auto_cpu = True",
+    "from reactor_dist import wire\nwire._keyed(b'k', [])",
+    "import reactor_dist.wire as w\nw._keyed(b'k', [])",
+    "import reactor_dist\nreactor_dist.validation._warned_auto_cpu = True",
     "from reactor_dist import DistributedRunner\n"
     "with DistributedRunner(object) as runner:\n    runner._supervisor.bus",
     "def test(runner):\n    runner._supervisor",
     "with small_runner() as r:\n    r._queue",
     "from reactor_dist import DistributedRunner\nr = DistributedRunner(object)\nq = r.queue\nq._x",
-    "def test(monkeypatch):\n    monkeypatch.setattr('reactor_dist.runner._warned_auto_cpu', 0)",
+    "def test(monkeypatch):\n"
+    "    monkeypatch.setattr('reactor_dist.validation._warned_auto_cpu', 0)",
     "def test(runner):\n    getattr(runner, '_supervisor')",
     "from probe import Probe\ndef test(runner):\n    Probe(runner)._supervisor.bus",
     "def test(monkeypatch, runner):\n    monkeypatch.setattr(runner, '_supervisor', None)",
@@ -299,5 +300,5 @@ def test_other_libraries_private_names_and_a_tests_own_are_left_alone(source):
 
 
 def test_the_line_and_the_expression_are_named():
-    source = "import os\nfrom reactor_dist import wire\n\nwire._mac(b'k', [])\nos._exit(0)\n"
-    assert violations(source) == [(4, "wire._mac")]
+    source = "import os\nfrom reactor_dist import wire\n\nwire._keyed(b'k', [])\nos._exit(0)\n"
+    assert violations(source) == [(4, "wire._keyed")]
