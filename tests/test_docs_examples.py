@@ -184,3 +184,19 @@ def test_two_node_try_on_one_machine_runs_as_printed(tmp_path):
     while marked(mark) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert marked(mark) == []
+
+
+def test_the_api_pages_show_the_docstrings_rest_roles_as_code():
+    """docs/_hooks/roles.py (an MkDocs hook): ``:meth:`x``` is ``x`` on the site, as
+    Sphinx shows it (``~a.b.C`` as ``C``), not the role's name as text."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "roles", os.path.join(REPO, "docs", "_hooks", "roles.py"))
+    roles = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(roles)
+    html = ("see :meth:<code>submit</code>, :class:<code>~reactor_dist.stream.Stream</code> "
+            "and :mod:<code>reactor_dist.placement</code>; a:b:<code>c</code> stays")
+    assert roles.on_page_content(html) == (
+        "see <code>submit</code>, <code>Stream</code> and <code>reactor_dist.placement</code>"
+        "; a:b:<code>c</code> stays")
