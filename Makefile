@@ -34,11 +34,21 @@ $(VENV)/.ray-installed: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[ray]"
 	touch $@
 
+# The tests run side by side in TEST_JOBS processes (pytest-xdist): most of a test's time
+# is spent waiting on its ranks, not computing, so more processes than cores pay.  A
+# module that shares one costly thing (a Ray cluster) is one xdist_group, run in one
+# process; the tests marked `alone` (they need the machine to themselves) run after, one
+# at a time.  One file while you work: .venv/bin/python -m pytest -q tests/test_stream.py
+TEST_JOBS ?= 4
+PYTEST_SIDE_BY_SIDE = $(PY) -m pytest -q -p xdist -n $(TEST_JOBS) --dist loadgroup
+
 test: venv-ray
-	$(PY) -m pytest -q
+	$(PYTEST_SIDE_BY_SIDE) -m "not slow and not alone"
+	$(PY) -m pytest -q -m "alone and not slow"
 
 test-slow: venv-ray prometheus
-	$(PY) -m pytest -q -m slow
+	$(PYTEST_SIDE_BY_SIDE) -m "slow and not alone"
+	$(PY) -m pytest -q -m "slow and alone"
 
 # Debian's Prometheus server, for tests/test_prometheus_server.py (slow), installed when
 # absent (as root, with services kept from starting: the tests run it on 127.0.0.1 alone).

@@ -5,7 +5,13 @@ Wrap a worker class in :class:`DistributedRunner`; it starts one process per GPU
 sends every ``generate(input)`` to every rank, waits for all of them and returns
 rank 0's result, with frames passed through shared memory and failures reported
 as the exceptions below (never as a hang).
+
+The package imports lazily (PEP 562): a rank, which runs ``python -m reactor_dist.rank``,
+needs the worker's side only, so the caller's side (``DistributedRunner`` and the ~25
+modules behind it) is imported on first use of the name, not by ``import reactor_dist``.
 """
+
+from typing import TYPE_CHECKING
 
 from .errors import (
     CallQueueFull,
@@ -20,7 +26,6 @@ from .errors import (
     WorkerCrashed,
     WorkerTimeout,
 )
-from .runner import DistributedRunner
 from .worker import DistributedWorker, share_cpu_cores
 
 __all__ = [
@@ -42,8 +47,22 @@ __all__ = [
 __version__ = "0.1.0"
 
 
+if TYPE_CHECKING:
+    from .runner import DistributedRunner
+
+
 def __getattr__(name: str) -> type:
-    """Deprecated names (``SharedSlotAllocationFailed``) still work, with a warning."""
+    """``DistributedRunner`` on first use; deprecated names (``SharedSlotAllocationFailed``)
+    still work, with a warning."""
+    if name == "DistributedRunner":
+        from .runner import DistributedRunner
+
+        globals()[name] = DistributedRunner  # later lookups skip this function
+        return DistributedRunner
     from .errors import deprecated_name
 
     return deprecated_name(__name__, name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

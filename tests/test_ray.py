@@ -52,6 +52,10 @@ from reactor_dist import (
 )
 
 ray = pytest.importorskip("ray", reason="placement tests need the ray extra (make test has it)")
+# One process runs this module and test_restart_ray.py (make test runs the tests side
+# by side): each starts a simulated cluster of its own, and two at once would crowd
+# the two cores (and the docs' two-node try, in the same group, starts a third).
+pytestmark = pytest.mark.xdist_group("ray")
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 TESTS = os.path.dirname(os.path.abspath(__file__))
 MB16 = 16 << 20

@@ -15,6 +15,8 @@ from test_restart import fresh
 
 from reactor_dist import WorkerCrashed
 
+pytestmark = pytest.mark.xdist_group("ray")  # beside test_ray.py, whose cluster it shares
+
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("rejoin", [False, True], ids=["every-rank", "rejoin"])
