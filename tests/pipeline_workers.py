@@ -49,6 +49,17 @@ class Nap(Step):
 
 
 @dataclasses.dataclass
+class TimedNap(Nap):
+    """Nap, returning ``(value, began, ended)``: the rank's ``time.monotonic()`` as its
+    nap began and ended (one clock for every process of the machine)."""
+
+    def run(self, worker):
+        began = time.monotonic()
+        time.sleep(self.seconds)
+        return self.value, began, time.monotonic()
+
+
+@dataclasses.dataclass
 class RaiseOn(Step):
     """Sleep ``seconds``, then raise ``ValueError("boom on rank N")`` on ``rank`` (every
     rank when None); a rank not named returns None."""

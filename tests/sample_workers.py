@@ -88,6 +88,23 @@ class Sleep(Step):
 
 
 @dataclasses.dataclass
+class Gate(Step):
+    """A call that lasts until the test lets it end: wait until ``flag`` exists (at most
+    ``seconds``), then return ``value``; a test knows the call still runs without timing
+    it."""
+
+    flag: str
+    seconds: float
+    value: object = None
+
+    def run(self, worker: Echo):
+        deadline = time.monotonic() + self.seconds
+        while not os.path.exists(self.flag) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return self.value
+
+
+@dataclasses.dataclass
 class FullArray(Step):
     """A result made on the rank: a fresh numpy array (copied into shared memory)."""
 

@@ -2,7 +2,7 @@
 moment of a random call.
 
 Every call either returns its correct result or raises a documented error within
-its bound: ``WorkerCrashed`` (naming the rank and the signal) within 1 s of the kill
+its bound: ``WorkerCrashed`` (naming the rank and the signal) within 3 s of the kill
 or of the call's start, whichever is later; after that, ``RuntimeError`` "unusable"
 at once.  No call may time out (nothing hangs here) and after ``shutdown()`` no
 process, /dev/shm entry or ipc directory is left.  The seed is printed; rerun one
@@ -26,7 +26,10 @@ from sample_workers import Echo, FullArray, SharedArray, Sleep, SpawnChild
 from reactor_dist import DistributedRunner, WorkerCrashed, shm
 
 LIFETIMES = 30
-BOUND = 1.0
+# From the kill (or the call's start) to WorkerCrashed: most under 0.1 s, the slowest
+# 0.2-0.35 s on an idle machine (and 1.7 s seen with the machine loaded 7x over), so 3 s
+# is 8x that; a kill not seen would be the 10 s call_timeout's WorkerTimeout.
+BOUND = 3.0
 SIGNALS = [signal.SIGKILL, signal.SIGKILL, signal.SIGTERM, signal.SIGSEGV]
 
 
@@ -87,12 +90,15 @@ def lifetime(rng: random.Random, life: int) -> str:
             except WorkerCrashed as exc:
                 elapsed = time.monotonic() - max(started, kill.get("at", started))
                 assert "at" in kill and not crashed, f"{story}: unexpected {exc!r}"
+                # wall-clock: BOUND says why (8x the slowest on an idle machine)
                 assert elapsed < BOUND, f"{story}: WorkerCrashed {elapsed:.2f} s late"
                 assert f"rank {victim}" in str(exc) and sig.name in str(exc), f"{story}: {exc}"
                 crashed = True
             except RuntimeError as exc:
                 assert crashed and "unusable" in str(exc), f"{story}: {exc!r}"
-                assert time.monotonic() - started < 0.1
+                # wall-clock: refused at once: under 1 ms on an idle machine, 0.25 s is 250x
+                # that; a call sent to the dead ranks would wait for the 10 s call_timeout
+                assert time.monotonic() - started < 0.25
             else:
                 assert correct(out), f"{story}: wrong result of {kind} call {i}"
                 del out

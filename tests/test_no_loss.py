@@ -66,6 +66,7 @@ def stop(pid: int) -> None:
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + 10
     while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+        # wall-clock: a SIGSTOP takes effect in ms; 10 s is a hang's bound, not a speed's
         assert time.monotonic() < deadline, f"pid {pid} did not stop"
         time.sleep(0.01)
 

@@ -30,6 +30,8 @@ def stop(pid: int) -> None:
 def wait_for(condition, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
+        # wall-clock: met in ms on an idle machine (a SIGSTOP taking effect); 10 s is a
+        # hang's bound, not a speed's
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.01)
 

@@ -44,9 +44,10 @@ def check_ok_call(span, parent, seq: int) -> None:
     assert attributes["reactor_dist.call"] == seq
     assert attributes["reactor_dist.outcome"] == "ok"
     compute = attributes["reactor_dist.rank_compute_seconds"]
-    assert len(compute) == 2 and all(seconds >= 0.0 for seconds in compute)
+    assert len(compute) == 2 and all(seconds >= 0.0 for seconds in compute)  # wall-clock: >= 0
     assert attributes["reactor_dist.slowest_rank"] == max((0, 1), key=compute.__getitem__)
     assert span.status.status_code == StatusCode.UNSET
+    # wall-clock: an order: the span lies inside its parent's, on the one clock
     assert parent.start_time <= span.start_time <= span.end_time <= parent.end_time
 
 
@@ -97,6 +98,7 @@ def test_each_call_is_a_span_in_the_callers_trace(runner_for):
     # Rank 0's first item: one event, inside the span (a generator's generate() has it too).
     for span in (stream, astream, generate):
         (first,) = [e for e in span.events if e.name == "reactor_dist.first_item"]
+        # wall-clock: an order: the event lies inside its span, on the one clock
         assert span.start_time <= first.timestamp <= span.end_time
     assert [e.name for e in reset.events] == []
 
@@ -125,6 +127,7 @@ def test_start_restart_and_a_crash_are_spans(runner_for):
         assert span.parent.span_id == parent.context.span_id
         assert span.attributes == {"reactor_dist.world_size": 2, "reactor_dist.outcome": "ok"}
         assert span.status.status_code == StatusCode.UNSET
+        # wall-clock: an order: the span lies inside its parent's, on the one clock
         assert parent.start_time <= span.start_time <= span.end_time <= parent.end_time
     assert crash.parent is None  # no span was current: a trace of its own
     assert crash.attributes["reactor_dist.outcome"] == "crashed"
