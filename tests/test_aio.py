@@ -32,6 +32,7 @@ async def ticking(during) -> list[float]:
     return [b - a for a, b in zip(ticks, ticks[1:], strict=False)]
 
 
+@pytest.mark.alone  # how long the loop stalls is what it measures: not beside other tests
 def test_the_loop_keeps_ticking_during_a_half_second_call(runner_for):
     async def main():
         async with runner_for(Echo) as runner:

@@ -188,8 +188,10 @@ def test_load_error_is_raised_by_start_and_leaves_nothing(world_size, runner_for
 
 
 def test_start_timeout_when_load_hangs(runner_for):
-    runner = runner_for(HangsInLoadOnRank, 2, load_kwargs={"rank": 1}, start_timeout=1.0)
-    with pytest.raises(WorkerTimeout, match="no answer from rank 1 within 1 s during start"):
+    # Rank 0 must finish its start (0.3 s on an idle machine) within the timeout for
+    # rank 1 alone to be named: 5 s leaves room for a loaded machine (1 s did not).
+    runner = runner_for(HangsInLoadOnRank, 2, load_kwargs={"rank": 1}, start_timeout=5.0)
+    with pytest.raises(WorkerTimeout, match="no answer from rank 1 within 5 s during start"):
         runner.start()
     assert not runner.healthy
 

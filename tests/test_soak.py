@@ -62,6 +62,7 @@ def one_call(runner: DistributedRunner, i: int, payload: np.ndarray) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # memory growth and a time budget over 2,000 calls: the machine alone
 @pytest.mark.timeout(180)
 def test_soak_2000_calls_with_8mb_results_grow_nothing():
     payload = np.zeros(MB8, np.uint8)

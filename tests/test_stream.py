@@ -213,7 +213,9 @@ def test_a_call_from_another_thread_runs_while_a_stream_is_open(counts):
 
 def test_ctrl_c_during_a_stream_keeps_the_runner_usable(runner_for):
     with runner_for(Slow) as runner:
-        stream = runner.stream({"n": 3, "pause": 0.4})
+        # The first item comes 1.5 s after the ranks begin: the Ctrl-C at 0.2 s lands
+        # while next() waits for it, with room for a loaded machine (0.4 s had too little).
+        stream = runner.stream({"n": 2, "pause": 1.5})
         timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
         timer.start()
         with pytest.raises(KeyboardInterrupt):
