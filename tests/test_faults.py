@@ -564,6 +564,10 @@ TERMINAL_APP = textwrap.dedent("""
 """)
 
 
+# alone: under load (side by side with a busy loop on one core) the Ctrl-C was lost, the
+# call ran to its end and no KeyboardInterrupt came (the open bug that issue 29's note
+# records); until it is found, this runs with the machine to itself.
+@pytest.mark.alone
 def test_a_terminal_ctrl_c_reaches_the_caller_but_not_the_ranks(tmp_path):
     """Ctrl-C in a real terminal signals its foreground process group: the caller's. The
     ranks run in process groups of their own, so they neither see it nor stop the step."""
