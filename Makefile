@@ -35,10 +35,9 @@ $(VENV)/.ray-installed: $(VENV)/.installed
 	touch $@
 
 # The tests run side by side in TEST_JOBS processes (pytest-xdist): most of a test's time
-# is spent waiting on its ranks, not computing, so more processes than cores pay.  A
-# module that shares one costly thing (a Ray cluster) is one xdist_group, run in one
-# process; the tests marked `alone` (they need the machine to themselves) run after, one
-# at a time.  One file while you work: .venv/bin/python -m pytest -q tests/test_stream.py
+# is spent waiting on its ranks, not computing, so more processes than cores pay.  The
+# tests marked `alone` (they need the machine to themselves: the Ray clusters, what
+# measures a stall, benchmarks) run after, one at a time.  One file while you work: .venv/bin/python -m pytest -q tests/test_stream.py
 TEST_JOBS ?= 4
 PYTEST_SIDE_BY_SIDE = $(PY) -m pytest -q -p xdist -n $(TEST_JOBS) --dist loadgroup
 

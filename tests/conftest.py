@@ -27,11 +27,11 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
 
 
-# The modules whose tests take longest (a restart forms a new torch group; a Ray cluster;
-# the docs' examples and the video model start fresh interpreters that import torch):
+# The modules whose tests take longest (a restart forms a new torch group; the docs'
+# examples and the video model start fresh interpreters that import torch):
 # first in the run, so that with the tests side by side (make test) none of them is
 # left to run at the end with the other processes idle.
-LONGEST_FIRST = ("test_ray.py", "test_restart_ray.py", "test_restart.py",
+LONGEST_FIRST = ("test_restart.py",
                  "test_docs_examples.py", "test_video_app.py", "test_workers.py")
 
 

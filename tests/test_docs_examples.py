@@ -172,7 +172,7 @@ def marked(mark: str) -> list[int]:
 
 
 @pytest.mark.timeout(360)
-@pytest.mark.xdist_group("ray")  # one Ray cluster at a time (tests/test_ray.py says why)
+@pytest.mark.alone  # with the Ray tests, one cluster at a time (tests/test_ray.py says why)
 def test_two_node_try_on_one_machine_runs_as_printed(tmp_path):
     pytest.importorskip("ray", reason="the two-node try needs the ray extra (make test has it)")
     (block,) = examples("docs/more-than-one-machine.md", "Trying it on one machine")

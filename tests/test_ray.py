@@ -52,10 +52,11 @@ from reactor_dist import (
 )
 
 ray = pytest.importorskip("ray", reason="placement tests need the ray extra (make test has it)")
-# One process runs this module and test_restart_ray.py (make test runs the tests side
-# by side): each starts a simulated cluster of its own, and two at once would crowd
-# the two cores (and the docs' two-node try, in the same group, starts a third).
-pytestmark = pytest.mark.xdist_group("ray")
+# Alone, after the tests that run side by side (make test), with test_restart_ray.py and
+# the docs' two-node try: side by side, a placed runner's start() twice waited past the
+# 120 s test timeout for its ranks' first answer (2 of 5 runs; the open bug in issue
+# 29's note), and each simulated cluster costs the two cores a lot.
+pytestmark = pytest.mark.alone
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 TESTS = os.path.dirname(os.path.abspath(__file__))
 MB16 = 16 << 20

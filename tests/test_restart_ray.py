@@ -15,7 +15,7 @@ from test_restart import fresh
 
 from reactor_dist import WorkerCrashed
 
-pytestmark = pytest.mark.xdist_group("ray")  # beside test_ray.py, whose cluster it shares
+pytestmark = pytest.mark.alone  # as test_ray.py, whose cluster fixture it uses (says why)
 
 
 @pytest.mark.timeout(300)
