@@ -37,9 +37,10 @@ $(VENV)/.ray-installed: $(VENV)/.installed
 # The tests run side by side in TEST_JOBS processes (pytest-xdist): most of a test's time
 # is spent waiting on its ranks, not computing, so more processes than cores pay.  The
 # tests marked `alone` (they need the machine to themselves: the Ray clusters, what
-# measures a stall, benchmarks) run after, one at a time.  One file while you work: .venv/bin/python -m pytest -q tests/test_stream.py
+# measures a stall, benchmarks) run after, one at a time.
+# One file while you work: .venv/bin/python -m pytest -q tests/test_stream.py
 TEST_JOBS ?= 4
-PYTEST_SIDE_BY_SIDE = $(PY) -m pytest -q -p xdist -n $(TEST_JOBS) --dist loadgroup
+PYTEST_SIDE_BY_SIDE = $(PY) -m pytest -q -p xdist -n $(TEST_JOBS) --dist load
 
 test: venv-ray
 	$(PYTEST_SIDE_BY_SIDE) -m "not slow and not alone"

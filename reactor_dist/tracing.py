@@ -59,15 +59,13 @@ def clock_offset_ns(samples: int = 8) -> int:
     read between two perf_counter readings, from the tightest of ``samples`` brackets, so
     that a thread preempted between two reads (a loaded machine) does not shift every
     span of the runner by as long as it waited."""
-    best = None
+    brackets = []
     for _ in range(samples):
         before = time.perf_counter_ns()
         wall = time.time_ns()
         after = time.perf_counter_ns()
-        if best is None or after - before < best[0]:
-            best = (after - before, wall - (before + after) // 2)
-    assert best is not None
-    return best[1]
+        brackets.append((after - before, wall - (before + after) // 2))
+    return min(brackets)[1]
 
 
 class TracingObserver(Observer):
