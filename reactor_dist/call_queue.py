@@ -13,11 +13,13 @@ forms) is a thin layer over :class:`CallQueue`.  Two calls in flight::
       nobody else will)              8 starts its clock; turn 3 sends
                                    CALL 9 ------------------------->
 
-The ranks run calls strictly in the order sent.  A call's ``timeout`` bounds its wait
-behind the call the ranks run, and then, from when the ranks start it, its wait for
-each reply or item.  A crash, a timeout or a desync breaks the runner: that call and
-every call behind it fail with that type of error (``broken``, the one explicit
-unusable state); a call whose every rank raised the same type fails alone.  A call
+The ranks run calls strictly in the order sent.  A call's ``timeout`` bounds, from
+when the ranks start it, its wait for each reply or item; a rank that raised in a call
+starts the next one only once every rank answered it (Kind.ANSWERED), so that no
+collective of one call pairs with another's.  A crash, a timeout or a desync breaks
+the runner: that call and every call behind it fail with that type of error
+(``broken``, the one explicit unusable state); a call whose every rank raised the
+same type fails alone.  A call
 nobody waits for any more (Ctrl-C, a cancelled task, a stream left early) stays in
 flight until the ranks answer it; its answer is discarded.
 
@@ -40,7 +42,7 @@ from .calls import Call, CallPath, collective_wait_seconds, compute_seconds
 from .errors import CallQueueFull, WorkerCrashed, WorkerTimeout, failed_behind, queue_full
 from .observers import CANCELLED, CRASHED, DESYNC, OK, RAISED, TIMED_OUT, Observer, tell
 from .outcome import judge
-from .protocol import Field, Kind
+from .protocol import Field, Kind, Status
 from .receiving import Receiver
 from .restarts import RESTARTING, Restarts
 from .supervisor import Supervisor
@@ -67,6 +69,7 @@ class CallQueue:
         self.turns: collections.deque[object] = collections.deque()  # callers waiting to send
         self.settled: collections.deque[Call] = collections.deque()  # futures to settle
         self.left: collections.deque[Call] = collections.deque()  # leave_soon()'s
+        self.answered_due = 0  # a Kind.ANSWERED not yet sent (a rank's pipe was full)
         self.restarts: Restarts | None = None  # set by the runner once built
         self.observers: tuple[Observer, ...] = ()  # metrics, traces (observers.py)
 
@@ -205,11 +208,8 @@ class CallQueue:
             raise  # keeps its __cause__
         finally:
             self.receiver.sending = False
-        now = time.monotonic()
-        if timeout is not None:
-            call.queued_until = now + timeout
-            if not self.in_flight:
-                call.deadline = call.queued_until
+        if timeout is not None and not self.in_flight:  # the ranks start it now
+            call.deadline = time.monotonic() + timeout
         self.in_flight.append(call)
         self.by_seq[call.seq] = call
         if turn is not None:
@@ -314,8 +314,11 @@ class CallQueue:
                     self.answered(in_flight.popleft())
         elif kind == Kind.DEATH and header.get(Field.EPOCH, 0) == self.supervisor.epoch:
             dead = self.supervisor.dead() or [header[Field.RANK]]
-            what = self.in_flight[0].what if self.in_flight else "an idle moment between calls"
-            self.broken(self.supervisor.crashed(dead, what))
+            # The call the dead rank was running: the first it had not answered.
+            at = next((c for c in self.in_flight if not all(r in c.replies for r in dead)),
+                      None)
+            what = at.what if at is not None else "an idle moment between calls"
+            self.broken(self.supervisor.crashed(dead, what), at)
 
     def answered(self, call: Call) -> None:
         """Every rank answered ``call``: judge it; the next call starts its clock."""
@@ -338,9 +341,20 @@ class CallQueue:
             self.in_flight.appendleft(call)  # fails first, with the error itself
             self.broken(verdict.error, call)  # type: ignore[arg-type]
         else:
+            if any(header.get(Field.STATUS) == Status.RAISED
+                   for header, _ in call.replies.values()):
+                self.answered_due = call.seq  # the ranks that raised hold the next call
+                self.tell_answered()
             self._settle(call, verdict.value, verdict.error,
                          OK if verdict.error is None else RAISED)
         self.receiver.changed_all()
+
+    def tell_answered(self) -> None:
+        """Under the lock: Kind.ANSWERED for ``answered_due``; a full pipe keeps it due,
+        tried again at the next receive (a rank that is behind reads it in turn)."""
+        assert self.path is not None
+        if self.path.bus.try_publish({Field.KIND: Kind.ANSWERED, Field.SEQ: self.answered_due}):
+            self.answered_due = 0
 
     def _settle(self, call: Call, value: Any, error: BaseException | None,
                 outcome: str) -> None:

@@ -44,7 +44,7 @@ class Call:
     when it is answered, its value or error.  Owned by the call queue's lock."""
 
     __slots__ = ("seq", "method", "timeout", "what", "replies", "items", "abandoned",
-                 "generator", "started", "sent", "queued_until", "deadline", "watchers",
+                 "generator", "started", "sent", "deadline", "watchers",
                  "done", "value", "error", "future", "itemized", "times", "compute",
                  "collective_wait", "tags")
 
@@ -57,9 +57,8 @@ class Call:
         self.items: collections.deque[Any] = collections.deque()
         self.abandoned = False  # nobody takes its value or items any more
         self.generator = False  # rank 0's generate() was a generator (known at the end)
-        # monotonic: the end of its wait behind the call the ranks run (None: no limit),
-        # and once the ranks run it, of its wait for the next reply or item.
-        self.queued_until: float | None = None
+        # monotonic, once the ranks run it: the end of its wait for the next reply or
+        # item (None: no limit, or not started yet).
         self.deadline: float | None = None
         self.watchers = 0  # callers that will come back and receive for it
         self.done = False

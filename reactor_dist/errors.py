@@ -190,19 +190,13 @@ def failed_behind(exc: BaseException, what: str, at: str | None) -> BaseExceptio
 
 
 def timeout_error(headline: str, raised: dict[int, tuple[ErrorRecord, bytes | None]],
-                  running: tuple[int, list[int], bool] | None, stacks: str) -> WorkerTimeout:
+                  stacks: str) -> WorkerTimeout:
     """A WorkerTimeout whose text and attributes keep what the other ranks did: each
     rank that raised meanwhile (``rank_errors``, the first as ``__cause__``, its message
-    and remote traceback in the text), and the call the ranks still ran instead
-    (``running``: its number, its silent ranks, whether its caller left it)."""
+    and remote traceback in the text)."""
     errors = {rank: rebuild_exception(record, data, rank)
               for rank, (record, data) in raised.items()}
     note = ""
-    if running is not None:
-        seq, ranks, interrupted = running
-        note += (f" (the ranks are still running the {'interrupted ' if interrupted else ''}"
-                 f"call {seq}: rank {', '.join(map(str, ranks))} never answered it, and a "
-                 f"rank runs one call at a time; runner.wait_idle() waits for that)")
     if raised:
         said = "; ".join(f"rank {r} raised {rec.type}: {rec.message}"
                          for r, (rec, _) in raised.items())

@@ -59,6 +59,10 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
                    seconds without a command
     drop      ->   restart(): calls that      SEQ: the last call to skip (a rank skips
                    failed are never run       every CALL up to it; read as it arrives)
+    answered  ->   every rank answered a      SEQ: that call (a rank that raised in it
+                   call in which a rank       holds the next CALL until this, or a DROP,
+                   raised (the runner stays   arrives: its peers may still be inside the
+                   healthy)                   collectives it left; read as it arrives)
     rejoin    ->   restart(), to the ranks    EPOCH (the new group's), PORT (its store's,
                    that keep their model:     0 on one machine), RANKS (who acts on it);
                    leave the old group, join  again at the ping pace until each acked
@@ -153,12 +157,14 @@ class Kind:
     PING, INIT, CALL, SHUTDOWN = "ping", "init", "call", "shutdown"  # runner -> every rank
     RELEASE, RECLAIM = "release", "reclaim"  # runner -> every rank: shared memory back
     DROP, REJOIN = "drop", "rejoin"  # runner -> every rank: restart()
+    ANSWERED = "answered"  # runner -> every rank: a call in which a rank raised is over
     REJOINED = "rejoined"  # one rank -> runner: answer to REJOIN
     PONG, READY, REPLY, ITEM = "pong", "ready", "reply", "item"  # one rank -> runner
     RECLAIMED, STARVED, TRIMMED = "reclaimed", "starved", "trimmed"  # one rank -> runner
     PROGRESS = "progress"  # one rank -> runner, during start()
     DEATH = "death"  # the runner's death watch -> its own PULL socket
-    COMMANDS = frozenset({PING, INIT, CALL, SHUTDOWN, RELEASE, RECLAIM, DROP, REJOIN})
+    COMMANDS = frozenset({PING, INIT, CALL, SHUTDOWN, RELEASE, RECLAIM, DROP, REJOIN,
+                          ANSWERED})
     MEMORY = frozenset({RELEASE, RECLAIM})  # a rank applies these also during a call
     REPLIES = frozenset({PONG, READY, REPLY, ITEM, PROGRESS, RECLAIMED, STARVED, TRIMMED,
                          REJOINED})

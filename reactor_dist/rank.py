@@ -11,6 +11,8 @@ Life of a rank (messages in :mod:`reactor_dist.protocol`)::
     Kind.CALL  -> Kind.REPLY       (generate/reset; rank 0 alone sends the result payload)
     Kind.RELEASE, Kind.RECLAIM     (shared memory back: also read mid-call, rank_memory.py)
     Kind.DROP                      (restart(): skip the calls that failed; read as it comes)
+    Kind.ANSWERED                  (a call this rank raised in is over on every rank: the
+                                    next CALL, held until then, may start; read as it comes)
     Kind.REJOIN -> Kind.REJOINED   (restart(), a rank that keeps its model: leave the old
                                     group, join the new one with the new ranks, rejoin())
     Kind.SHUTDOWN -> exit
@@ -22,6 +24,7 @@ authenticated (wire.Channel.unpack) before anything in it is decoded.
 from __future__ import annotations
 
 import argparse
+import collections
 import faulthandler
 import inspect
 import logging
@@ -75,6 +78,12 @@ class RankServer:
         self.worker: Any = None
         self.device = "cpu"  # chosen in init()
         self.last_seq = 0
+        # A rank that raised in a call may have left collectives its peers are still in:
+        # it starts no later call (they wait in ``held``) until every rank answered that
+        # one (Kind.ANSWERED) or a restart dropped it, else the next call's collectives
+        # would pair with the old call's and hand out a wrong result.
+        self.raised_in = 0
+        self.held: collections.deque[tuple[dict[str, Any], list]] = collections.deque()
         # Rank 0's results (owned here); the runner's inputs (mapped here, copy-on-write).
         self.memory = RankMemory(boot, self.rank, self.send)
         self.results, self.inputs = self.memory.results, self.memory.inputs
@@ -135,6 +144,9 @@ class RankServer:
         self.rendezvous = Rendezvous(self.boot, self.private_dir())
         port = self.open_rendezvous()
         while True:
+            if self.held and self.inbox.over(self.raised_in):
+                self.start_call(*self.held.popleft())
+                continue
             message = self.inbox.next(self.memory.idle_wait_ms())
             if message is None:
                 self.memory.trim()  # no command for IDLE_RETURN seconds
@@ -156,14 +168,22 @@ class RankServer:
                 self.send(dict(again), list(again_body))
             elif kind == Kind.CALL and header[Field.SEQ] > self.last_seq:
                 self.last_seq = header[Field.SEQ]
-                if header.get(Field.BEHIND) and self.inbox.skips(header[Field.SEQ]):
-                    self.memory.skipped(header)
+                if self.held or not self.inbox.over(self.raised_in):
+                    self.held.append(message)
                 else:
-                    self.call(header, body)
+                    self.start_call(header, body)
             elif kind == Kind.SHUTDOWN:
                 break
         self.close()
         return 0
+
+    def start_call(self, header: dict[str, Any], body: list) -> None:
+        """Run one CALL, or skip it if a restart dropped it already."""
+        seq = header[Field.SEQ]
+        if (header.get(Field.BEHIND) or seq <= self.inbox.dropped) and self.inbox.skips(seq):
+            self.memory.skipped(header)
+        elif self.call(header, body) == Status.RAISED:
+            self.raised_in = seq
 
     def private_dir(self) -> str:
         """The runner's private 0700 directory (it holds the sockets and the store);
@@ -253,7 +273,8 @@ class RankServer:
         return worker
 
     # -- one call ------------------------------------------------------------------------
-    def call(self, header: dict[str, Any], body: list) -> None:
+    def call(self, header: dict[str, Any], body: list) -> str:
+        """Run one call and send its REPLY; its status."""
         self.memory.apply(header)
         self.memory.call_seq = header[Field.SEQ]
         self.results.new_call()
@@ -319,6 +340,7 @@ class RankServer:
         self.memory.tell(reply, released=True)
         self.send(reply, payload)
         self.memory.check_written_views()
+        return reply[Field.STATUS]
 
     def run_steps(self, seq: int, steps: Any) -> tuple[int, BaseException | None]:
         """Run a generator worker's step to its end (its collectives are inside it); rank

@@ -56,6 +56,7 @@ class Inbox:
         self.rejected = 0
         self.stopping = False  # a SHUTDOWN waits in the backlog: nobody will answer us
         self.dropped = 0  # every CALL up to this SEQ is skipped (Kind.DROP: a restart)
+        self.answered = 0  # every rank answered the calls up to this SEQ (Kind.ANSWERED)
 
     def next(self, timeout_ms: int = -1) -> Message | None:
         """The next command for the rank's loop (a memory command comes already
@@ -100,10 +101,16 @@ class Inbox:
             return None
         if header[Field.KIND] in Kind.MEMORY:
             self.on_memory(header)
-        elif header[Field.KIND] == Kind.DROP:
+        elif header[Field.KIND] == Kind.DROP:  # applied here, as read; the loop skips it
             self.dropped = max(self.dropped, header[Field.SEQ])
-            return None
+        elif header[Field.KIND] == Kind.ANSWERED:  # likewise: held calls may go
+            self.answered = max(self.answered, header[Field.SEQ])
         return header, body
+
+    def over(self, seq: int) -> bool:
+        """Whether call ``seq`` is over on every rank: all answered it, or a restart
+        dropped it."""
+        return seq <= self.answered or seq <= self.dropped
 
     def skips(self, seq: int) -> bool:
         """Whether the CALL ``seq`` failed in the runner already (a restart dropped it):

@@ -11,8 +11,8 @@ a cancelled task or a stream left early), the collector thread receives for them
 that futures settle, crashes are reported and abandoned answers go back at once.
 
 A deadline is only declared passed by a receiver that found nothing more to read: a
-call's ``timeout`` bounds its wait behind the call the ranks run, then each wait for
-its next reply or item (:meth:`Receiver.next_deadline`).
+call's ``timeout`` bounds, from when the ranks start it, each wait for its next reply
+or item (:meth:`Receiver.next_deadline`).
 """
 
 from __future__ import annotations
@@ -109,6 +109,8 @@ class Receiver:
         queue = self.queue
         if queue.left:
             queue.take_left()
+        if queue.answered_due:
+            queue.tell_answered()
         due = self.next_deadline()
         if due is not None and now >= due:
             if not self.drain():
@@ -186,36 +188,22 @@ class Receiver:
 
     # -- deadlines --------------------------------------------------------------------------
     def next_deadline(self) -> float | None:
-        """The nearest moment a call in flight runs out of time (None: none can): the
-        call the ranks run, its wait for the next reply or item; a call behind it, its
-        wait in the queue."""
+        """The moment the call the ranks run runs out of time waiting for its next reply
+        or item (None: it cannot).  A call behind it has no clock yet: its own starts
+        when the ranks start it, and until then the call they run is the one that can be
+        late (and the one a timeout names)."""
         in_flight = self.queue.in_flight
-        if len(in_flight) == 1:
-            return in_flight[0].deadline
-        due = None
-        for i, call in enumerate(in_flight):
-            when = call.deadline if i == 0 else (None if call.abandoned else call.queued_until)
-            if when is not None and (due is None or when < due):
-                due = when
-        return due
+        return in_flight[0].deadline if in_flight else None
 
     def expire(self, now: float) -> None:
-        """Nothing more arrived and a deadline passed: the call the ranks run, or a call
-        waiting behind it, timed out; the runner breaks."""
+        """Nothing more arrived and the deadline of the call the ranks run passed: it
+        timed out; the runner breaks."""
         queue = self.queue
         assert queue.in_flight
-        head, world_size = queue.in_flight[0], queue.world_size
-        silent = [r for r in range(world_size) if r not in head.replies]
-        if head.deadline is not None and now >= head.deadline:
-            queue.broken(queue.supervisor.timed_out(silent, head.timeout, head.what,
-                                                   head.replies), head)
-            return
-        for call in list(queue.in_flight)[1:]:
-            if call.queued_until is not None and not call.abandoned and now >= call.queued_until:
-                running = (head.seq, silent, head.abandoned)
-                queue.broken(queue.supervisor.timed_out(
-                    list(range(world_size)), call.timeout, call.what, {}, running), call)
-                return
+        head = queue.in_flight[0]
+        silent = [r for r in range(queue.world_size) if r not in head.replies]
+        queue.broken(queue.supervisor.timed_out(silent, head.timeout, head.what,
+                                               head.replies), head)
 
     # -- the collector ----------------------------------------------------------------------
     def unwatched(self) -> bool:

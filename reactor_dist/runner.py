@@ -279,8 +279,8 @@ class DistributedRunner:
         The ranks run calls in the order sent; while the app works on one result the
         ranks already compute the next.  With ``max_in_flight`` calls in flight this
         waits for one to be answered, at most ``timeout`` (then CallQueueFull: nothing
-        was sent, the runner stays healthy); ``timeout`` then bounds the call's wait
-        behind the call the ranks run, and each wait for its replies."""
+        was sent, the runner stays healthy); ``timeout`` then bounds, from when the
+        ranks start the call, each wait for its replies."""
         return blocking.submit(self._queue, Method.GENERATE, input, self._timeout(timeout))
 
     def stream(self, input: Any, /, *,

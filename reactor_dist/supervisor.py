@@ -303,12 +303,9 @@ class Supervisor:
         return error
 
     def timed_out(self, silent: list[int], timeout: float | None, what: str,
-                  replies: Replies,
-                  running: tuple[int, list[int], bool] | None = None) -> WorkerTimeout:
+                  replies: Replies) -> WorkerTimeout:
         """The WorkerTimeout of the silent ranks, with their stacks, and with the
-        exceptions of the ranks that raised meanwhile (errors.timeout_error); ``running``:
-        the call the ranks still ran instead (its number, its silent ranks, whether it
-        was interrupted)."""
+        exceptions of the ranks that raised meanwhile (errors.timeout_error)."""
         assert self.ranks is not None
         raised = {}
         for rank, (header, body) in sorted(replies.items()):
@@ -316,7 +313,7 @@ class Supervisor:
                 raised[rank] = (ErrorRecord.parse(header.get(Field.ERROR)),
                                 (body[0] if body else b"") or None)
         return timeout_error(f"no answer from rank {', '.join(map(str, silent))} within "
-                             f"{timeout:g} s during {what}", raised, running,
+                             f"{timeout:g} s during {what}", raised,
                              self.ranks.stacks(silent))
 
     def not_taken(self, timeout: float | None, what: str,
@@ -334,7 +331,7 @@ class Supervisor:
         headline = (f"{what} was sent to no rank within {timeout:g} s: a rank has not "
                     f"taken up its last {self.bus.bound} commands (rank "
                     f"{', '.join(map(str, suspects))}: {which})")
-        return timeout_error(headline, {}, None, self.ranks.stacks(suspects))
+        return timeout_error(headline, {}, self.ranks.stacks(suspects))
 
     # -- end -----------------------------------------------------------------------------
     def end_ranks(self) -> None:

@@ -56,7 +56,8 @@ def reduced(x: float, rank: int) -> list[float]:
 class FaultAt:
     """Rank ``rank`` fires ``means`` at ``where``: "call" (the other ranks return without
     a collective), "collective" (the other ranks wait in an all_reduce for it) or
-    "stream" (after item 1 of a stream of STREAM_ITEMS reduced items)."""
+    "stream" (after item 1 of a stream of STREAM_ITEMS reduced items); means "raise_all":
+    every rank raises ValueError."""
 
     means: str
     rank: int
@@ -108,6 +109,8 @@ class Reduces(DistributedWorker):
         return every
 
     def fault_at(self, spec: FaultAt):
+        if spec.means == "raise_all":  # every rank, before any collective: fails alone
+            raise ValueError(f"every rank raises (rank {self.rank})")
         if spec.where == "stream":
             return self.stream_then_fault(spec)
         if spec.rank == self.rank:
