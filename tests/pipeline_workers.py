@@ -78,6 +78,20 @@ class RaiseOn(Step):
 
 
 @dataclasses.dataclass
+class NapOn(Step):
+    """Rank ``rank`` sleeps ``seconds``; every rank returns ``value`` (no collective)."""
+
+    rank: int
+    seconds: float
+    value: object = None
+
+    def run(self, worker):
+        if worker.rank == self.rank:
+            time.sleep(self.seconds)
+        return self.value
+
+
+@dataclasses.dataclass
 class HangOn(Step):
     """Rank ``rank`` never returns; the others return None at once."""
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from pipeline_workers import NapOn
 from restart_workers import FaultAt, Reduces
 
-from reactor_dist import DistributedRunner, WorkerTimeout
+from reactor_dist import DistributedRunner, WorkerCrashed, WorkerTimeout
 
 BEHIND = 1000.0  # the input of the call queued behind the faulty one
 
@@ -113,3 +114,20 @@ def test_after_every_rank_raised_the_held_call_runs_and_returns_its_own_result(w
             failing.result(timeout=30)
         assert behind.result(timeout=30) == reduced(BEHIND, world_size)
         assert runner.generate(3.0) == reduced(3.0, world_size) and runner.healthy
+
+
+def test_a_death_names_the_call_the_dead_rank_ran_not_the_one_in_front():
+    """Rank 1 answered call 1 and died in call 2 while rank 0 still ran call 1: the
+    crash is call 2's, and call 1 says that call 2 broke the runner."""
+    with runner_of(2) as runner:
+        first = runner.submit(NapOn(0, 1.0, "first"))
+        second = runner.submit(FaultAt("exit", 1, "call"))
+        with pytest.raises(WorkerCrashed) as info:
+            second.result(timeout=30)
+        assert str(info.value).startswith("rank 1 died during generate() (call 2): "), \
+            str(info.value)
+        with pytest.raises(WorkerCrashed) as first_info:
+            first.result(timeout=30)
+        assert str(first_info.value).startswith(
+            "generate() (call 1) did not run to its end: the runner broke at generate() "
+            "(call 2): rank 1 died"), str(first_info.value)
