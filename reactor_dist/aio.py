@@ -2,7 +2,7 @@
 
 A task takes its turn and publishes like a thread (:mod:`reactor_dist.call_queue`),
 then waits: it takes whatever the reply socket has without blocking, and otherwise
-awaits a :class:`~reactor_dist.receiving.Waker` that the loop's reader on the socket's
+awaits a :class:`~reactor_dist.call_queue.Waker` that the loop's reader on the socket's
 descriptor, or a dispatch in another thread or task, sets.  A death notice arrives on
 the same socket, so a crash wakes the waiting task at once.  Up to ``max_in_flight``
 calls of different tasks are in flight together, sent in the order the tasks asked.
@@ -28,53 +28,54 @@ import warnings
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any, ParamSpec, TypeVar
 
-from .call_queue import CallQueue
-from .calls import Call
+from .call_queue import RESTARTING, CallQueue, Waker
+from .calls import Call, hand_out
 from .protocol import Method
-from .receiving import Waker
-from .stream import hand_out, sending_stream
 
 
 async def wait(queue: CallQueue, satisfied: Callable[[], bool],
                give_up: float | None = None) -> bool:
     """Until ``satisfied()`` (True) or the monotonic ``give_up`` (False), receiving
     whatever has arrived whenever nobody else receives."""
-    receiver = queue.receiver
     waker = Waker(asyncio.get_running_loop())
     with queue.lock:
-        receiver.add_waker(waker)
+        queue.add_waker(waker)
     try:
         while True:
             with queue.lock:
-                ready = receiver.poll(satisfied, give_up)
+                ready = queue.poll(satisfied, give_up)
             queue.settle_futures()
             if ready is True or ready is False:
                 return ready
             await waker.wait(ready)
     finally:
         with queue.lock:
-            receiver.remove_waker(waker)
+            queue.remove_waker(waker)
 
 
-async def send(queue: CallQueue, method: str, value: Any, timeout: float | None) -> Call:
-    """:meth:`CallQueue.send` for a task: its turn is awaited, never blocking the loop."""
-    turn = object()
+async def send(queue: CallQueue, method: str, value: Any, timeout: float | None,
+               queue_timeout: float | None, stream: bool = False) -> Call:
+    """:meth:`CallQueue.send_locked` for a task: its turn (and a restart in progress)
+    is awaited, never blocking the loop."""
     with queue.lock:
-        queue.check_usable()
-        queue.turns.append(turn)
+        turn = queue.take_turn()
     try:
-        give_up = None if timeout is None else time.monotonic() + timeout
-        if not await wait(queue, lambda: queue.my_turn(turn), give_up):
-            raise queue.queue_full(method, timeout)
-        with queue.lock:
-            return queue.publish(turn, method, value, timeout, None)
+        give_up = None if queue_timeout is None else time.monotonic() + queue_timeout
+        while True:
+            if not await wait(queue, lambda: queue.may_send(turn), give_up):
+                with queue.lock:
+                    raise queue.not_sent(method, queue_timeout)
+            with queue.lock:
+                if queue.may_send(turn):  # still (a restart may have begun meanwhile)
+                    return queue.publish(turn, method, value, timeout, None, stream)
     finally:
         with queue.lock:
             queue.leave_turn(turn)
 
 
-async def call(queue: CallQueue, method: str, value: Any, timeout: float | None) -> Any:
-    sent = await send(queue, method, value, timeout)
+async def call(queue: CallQueue, method: str, value: Any, timeout: float | None,
+               queue_timeout: float | None) -> Any:
+    sent = await send(queue, method, value, timeout, queue_timeout)
     try:
         await wait(queue, lambda: sent.done)
     except BaseException:  # cancelled: the ranks still run it
@@ -85,14 +86,15 @@ async def call(queue: CallQueue, method: str, value: Any, timeout: float | None)
 
 
 async def wait_idle(queue: CallQueue, timeout: float | None) -> bool:
-    """:meth:`CallQueue.wait_idle` for a task."""
+    """:func:`reactor_dist.blocking.wait_idle` for a task."""
     with queue.lock:
-        answered = queue.all_answered()
-    if answered is None:
-        return True
+        if queue.state is not RESTARTING:
+            queue.check_usable()
+        answered = queue.answered_so_far()
     give_up = None if timeout is None else time.monotonic() + timeout
     idle = await wait(queue, answered, give_up)
-    queue.check_usable()  # the runner broke meanwhile: raises, chaining the failure
+    if idle:
+        queue.check_usable()  # the runner broke meanwhile: raises, chaining the failure
     return idle
 
 
@@ -111,8 +113,10 @@ class AsyncStream:
     split the items between them (and two first ones would send the call twice).  Taking
     turns is fine, so ``asyncio.wait_for(stream.__anext__(), t)`` works."""
 
-    def __init__(self, queue: CallQueue, value: Any, timeout: float | None) -> None:
-        self._queue, self._value, self._timeout = queue, value, timeout
+    def __init__(self, queue: CallQueue, value: Any, timeout: float | None,
+                 queue_timeout: float | None) -> None:
+        self._queue, self._value = queue, value
+        self._timeout, self._queue_timeout = timeout, queue_timeout
         self._call: Call | None = None
         self._done = False
         self._reading = threading.Lock()  # held by the one __anext__ under way
@@ -149,9 +153,8 @@ class AsyncStream:
         queue = self._queue
         if self._call is None:
             try:
-                with sending_stream():
-                    self._call = await send(queue, Method.GENERATE, self._value,
-                                            self._timeout)
+                self._call = await send(queue, Method.GENERATE, self._value,
+                                        self._timeout, self._queue_timeout, stream=True)
             except BaseException:
                 self._done = True
                 raise

@@ -1,8 +1,8 @@
-"""The call queue's waits for a thread (a task's: :mod:`reactor_dist.aio`).
+"""The call forms for a thread, blocking (a task's: :mod:`reactor_dist.aio`).
 
 A thread that waits for anything receives for everybody while nobody else does
-(:meth:`reactor_dist.receiving.Receiver.pump`); a KeyboardInterrupt reaches it at once,
-and the call it waited for is left to the ranks (its answer is discarded).
+(:meth:`reactor_dist.call_queue.CallQueue.pump`); a KeyboardInterrupt reaches it at
+once, and the call it waited for is left to the ranks (its answer is discarded).
 """
 
 from __future__ import annotations
@@ -11,17 +11,19 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from .call_queue import CallQueue
+from .call_queue import RESTARTING, CallQueue
 from .calls import Call
+from .protocol import Method
 
 
-def call(queue: CallQueue, method: str, value: Any, timeout: float | None) -> Any:
+def call(queue: CallQueue, method: str, value: Any, timeout: float | None,
+         queue_timeout: float | None) -> Any:
     """Send and wait for the answer: rank 0's value, or the contract's error."""
     try:
         with queue.lock:
-            sent = queue.send_locked(method, value, timeout)
+            sent = queue.send_locked(method, value, timeout, queue_timeout)
             try:
-                queue.receiver.pump(lambda: sent.done)
+                queue.pump(lambda: sent.done)
             except BaseException:  # interrupted (Ctrl-C): the ranks still run it
                 queue.leave(sent)
                 raise
@@ -31,10 +33,17 @@ def call(queue: CallQueue, method: str, value: Any, timeout: float | None) -> An
     return sent.result()
 
 
-def submit(queue: CallQueue, method: str, value: Any, timeout: float | None) -> Future:
+def submit(queue: CallQueue, method: str, value: Any, timeout: float | None,
+           queue_timeout: float | None) -> Future:
     future: Future = Future()
-    queue.send(method, value, timeout, future)
+    queue.send(method, value, timeout, queue_timeout, future)
     return future
+
+
+def send_stream(queue: CallQueue, value: Any, timeout: float | None,
+                queue_timeout: float | None) -> Call:
+    """A stream's call: ``generate(value)``, its items handed over as they come."""
+    return queue.send(Method.GENERATE, value, timeout, queue_timeout, stream=True)
 
 
 def next_item(queue: CallQueue, call: Call) -> tuple[bool, Any]:
@@ -43,7 +52,7 @@ def next_item(queue: CallQueue, call: Call) -> tuple[bool, Any]:
     with queue.lock:
         call.watchers += 1
         try:
-            queue.receiver.pump(lambda: bool(call.items) or call.done)
+            queue.pump(lambda: bool(call.items) or call.done)
         except BaseException:  # interrupted (Ctrl-C): the stream ends
             queue.leave(call)
             raise
@@ -57,13 +66,14 @@ def next_item(queue: CallQueue, call: Call) -> tuple[bool, Any]:
 
 def wait_idle(queue: CallQueue, timeout: float | None) -> bool:
     """Until every call sent so far is answered by every rank (True), or ``timeout``
-    passed (False); raises the failure if the runner breaks meanwhile."""
+    passed (False); a restart in progress is waited for; raises the failure if the
+    runner breaks meanwhile."""
     with queue.lock:
-        answered = queue.all_answered()
-        if answered is None:
-            return True
+        if queue.state is not RESTARTING:
+            queue.check_usable()
         give_up = None if timeout is None else time.monotonic() + timeout
-        idle = queue.receiver.pump(answered, give_up)
-        queue.check_usable()  # the runner broke meanwhile: raises, chaining the failure
+        idle = queue.pump(queue.answered_so_far(), give_up)
+        if idle:
+            queue.check_usable()  # the runner broke meanwhile: raises, chaining the failure
     queue.settle_futures()
     return idle

@@ -1,7 +1,11 @@
-"""The call queue: the one owner of the order of calls, their turns and the broken state.
+"""The call queue: the caller's one state machine.
 
-Every form of call (``generate``, ``submit``, ``stream``, ``reset`` and their asyncio
-forms) is a thin layer over :class:`CallQueue`.  Two calls in flight::
+It owns everything about calls on the caller's side: the runner's :class:`State`, the
+order of calls and the turns of the threads and tasks that make them, the calls in
+flight, who reads the reply socket, the deadlines, and the collector thread.  Every
+form of call (``generate``, ``submit``, ``stream``, ``reset`` and their asyncio forms)
+is a thin adapter over it (:mod:`reactor_dist.blocking`, :mod:`reactor_dist.aio`,
+:mod:`reactor_dist.stream`).  Two calls in flight::
 
     callers (threads, tasks)       CallQueue (one lock)                ranks
     submit(a) -- turn 1 ------->   CallPath.send: CALL 7 ----------->  run 7
@@ -13,104 +17,215 @@ forms) is a thin layer over :class:`CallQueue`.  Two calls in flight::
       nobody else will)              8 starts its clock; turn 3 sends
                                    CALL 9 ------------------------->
 
+The states and the only moves between them (:data:`MOVES`; :meth:`CallQueue.move` is
+the one place the state changes, and an illegal move is a bug that raises)::
+
+    new --start()--> healthy --crash / timeout / desync--> unusable
+     |                ^   |  \\                               |
+     |                |   |   +--(max_restarts)--+            | restart()
+     |                |   +------ restart() -----+-> restarting <-+
+     |                +------------------------------------+   |
+     |                                   a restart that failed: unusable
+     +----------- shutdown() (or a failed start()) from any state ---------> closed
+
 The ranks run calls strictly in the order sent.  A call's ``timeout`` bounds, from
 when the ranks start it, its wait for each reply or item; a rank that raised in a call
 starts the next one only once every rank answered it (Kind.ANSWERED), so that no
 collective of one call pairs with another's.  A crash, a timeout or a desync breaks
-the runner: that call and every call behind it fail with that type of error
-(``broken``, the one explicit unusable state); a call whose every rank raised the
-same type fails alone.  A call
-nobody waits for any more (Ctrl-C, a cancelled task, a stream left early) stays in
-flight until the ranks answer it; its answer is discarded.
+the runner: that call and every call behind it fail with that type of error (their
+messages name the call that broke it); a call whose every rank raised the same type
+fails alone.  A call nobody waits for any more ("left": Ctrl-C, a cancelled task, a
+stream left early) stays in flight until the ranks answer it; its answer is
+discarded.  While the runner restarts, every call form waits for the end (at most its
+``queue_timeout``), a caller that was already waiting for its turn included.
+
+One PULL socket carries the answers of every call in flight, so one caller at a time
+receives (``receiving``) and dispatches each message to its call by sequence number;
+the others wait on a condition (threads) or a :class:`Waker` (tasks) that every
+dispatch wakes.  A thread blocks in ZeroMQ with the lock released; a task only takes
+what has arrived and then awaits the socket's descriptor, so the loop never blocks.
+When calls are in flight that nobody waits for, the collector thread receives for
+them, so that futures settle, crashes are reported and left answers go back at once.
+Only a receiver that found nothing more to read declares a deadline passed.
 
 The lock guards everything here and both ledgers; only the blocking receive itself
-runs outside it (:mod:`reactor_dist.receiving`: who receives, how the others wait,
-when a call is late).  Futures are settled outside it, so that their callbacks may
-call the runner.
+runs outside it.  Futures are settled outside it, so that their callbacks may call
+the runner.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
+import enum
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from time import perf_counter
 from typing import Any
 
+import zmq
+
+from . import timeouts
 from .calls import Call, CallPath, collective_wait_seconds, compute_seconds
 from .errors import CallQueueFull, WorkerCrashed, WorkerTimeout, failed_behind, queue_full
 from .observers import CANCELLED, CRASHED, DESYNC, OK, RAISED, TIMED_OUT, Observer, tell
 from .outcome import judge
 from .protocol import Field, Kind, Status
-from .receiving import Receiver
-from .restarts import RESTARTING, Restarts
 from .supervisor import Supervisor
 from .timings import Recorder
 
-NEW, HEALTHY, UNUSABLE, CLOSED = "new", "healthy", "unusable", "closed"
+WAKE = 0.25  # seconds: the longest one receive or wait lasts before its waiter looks again
+WAKE_MS = timeouts.wait_ms(WAKE)
+POLLIN = int(zmq.POLLIN)  # a plain int: pyzmq's flag enums cost microseconds a test
+DRAIN_MOST = 64  # messages one asyncio poll takes before it lets the loop run
+
+
+class State(enum.Enum):
+    """The runner's state; only ``HEALTHY`` sends calls."""
+
+    NEW = "new"
+    HEALTHY = "healthy"
+    RESTARTING = "restarting"
+    UNUSABLE = "unusable"
+    CLOSED = "closed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+NEW, HEALTHY, RESTARTING, UNUSABLE, CLOSED = (
+    State.NEW, State.HEALTHY, State.RESTARTING, State.UNUSABLE, State.CLOSED)
+
+# Every allowed move: start() succeeded; broke (with the restart budget: restarting);
+# restart(); a restart ended (back, or failed); shutdown() or a failed start().
+MOVES: dict[State, frozenset[State]] = {
+    NEW: frozenset({HEALTHY, CLOSED}),
+    HEALTHY: frozenset({UNUSABLE, RESTARTING, CLOSED}),
+    RESTARTING: frozenset({HEALTHY, UNUSABLE, CLOSED}),
+    UNUSABLE: frozenset({RESTARTING, CLOSED}),
+    CLOSED: frozenset(),
+}
+_KEEP: Any = object()  # move(): the failure stays what it was
+
+
+class Waker:
+    """Wakes one waiting task: from its loop's thread at once, from others through
+    the loop; a wake before the wait is kept, so none is lost."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.thread = loop, threading.get_ident()
+        self.flag = False
+        self.woken: asyncio.Future | None = None
+
+    def wake(self) -> None:
+        if threading.get_ident() == self.thread:
+            self.set()
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                self.loop.call_soon_threadsafe(self.set)
+
+    def set(self) -> None:
+        self.flag = True
+        if self.woken is not None and not self.woken.done():
+            self.woken.set_result(None)
+
+    async def wait(self, until: float | None) -> None:
+        """Until woken, or the monotonic ``until`` (at most WAKE from now)."""
+        if self.flag:
+            self.flag = False
+            return
+        self.woken = woken = self.loop.create_future()
+        delay = WAKE if until is None else min(max(until - time.monotonic(), 0.0), WAKE)
+        timer = self.loop.call_later(delay, self.set)
+        try:
+            await woken
+        finally:
+            self.woken, self.flag = None, False
+            timer.cancel()
 
 
 class CallQueue:
     """Calls in send order, at most ``max_in_flight`` of them sent and not answered."""
 
-    NEW, HEALTHY, UNUSABLE, CLOSED = NEW, HEALTHY, UNUSABLE, CLOSED  # for restarts.py
-
     def __init__(self, supervisor: Supervisor, max_in_flight: int, timings: Recorder) -> None:
-        self.receiver = Receiver(self)
-        self.lock = self.receiver.lock
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # something arrived, a turn moved
+        self.wanted = threading.Condition(self.lock)  # a call has nobody waiting for it
         self.supervisor, self.max_in_flight, self.timings = supervisor, max_in_flight, timings
         self.world_size = supervisor.world_size
         self.path: CallPath | None = None
         self.state = NEW
-        self.failure: BaseException | None = None
+        self.failure: BaseException | None = None  # why it is not healthy
+        # The restart budget (restarts.py): asked as the runner breaks; set once built.
+        self.restart_policy: Callable[[BaseException], str | None] = lambda exc: None
+        self.budget_note: Callable[[], str] = lambda: ""
         self.in_flight: collections.deque[Call] = collections.deque()
         self.by_seq: dict[int, Call] = {}
         self.turns: collections.deque[object] = collections.deque()  # callers waiting to send
         self.settled: collections.deque[Call] = collections.deque()  # futures to settle
         self.left: collections.deque[Call] = collections.deque()  # leave_soon()'s
         self.answered_due = 0  # a Kind.ANSWERED not yet sent (a rank's pipe was full)
-        self.restarts: Restarts | None = None  # set by the runner once built
         self.observers: tuple[Observer, ...] = ()  # metrics, traces (observers.py)
+        self.receiving = False  # a caller owns the reply socket now
+        self.sending = False  # a caller is between encode and publish
+        self.waiting = 0  # threads in changed.wait() (none: no notify to pay for)
+        self.wakers: list[Waker] = []
+        self.readers: dict[asyncio.AbstractEventLoop, int] = {}  # tasks waiting, per loop
+        self.collector: threading.Thread | None = None
 
-    # -- state ------------------------------------------------------------------------------
+    # -- states -----------------------------------------------------------------------------
+    def move(self, to: State, failure: BaseException | None = _KEEP) -> None:
+        """Under the lock: the one place the state changes; every waiter looks again."""
+        if to not in MOVES[self.state]:
+            raise RuntimeError(f"reactor_dist bug: the runner's state cannot move from "
+                               f"{self.state} to {to}")
+        self.state = to
+        if failure is not _KEEP:
+            self.failure = failure
+        self.changed_all()
+
     def open(self) -> None:
         """start() succeeded: calls may go."""
         with self.lock:
             self.path = CallPath(self.supervisor, self.wait_while_sending, self.busy)
             self.supervisor.start_releaser(self.path.memory.pass_on_releases,
                                           lambda: self.path.last_sent)  # type: ignore[union-attr]
-            self.state = HEALTHY
+            self.move(HEALTHY, None)
+
+    def start_failed(self, exc: BaseException) -> None:
+        with self.lock:
+            self.move(CLOSED, exc)
 
     def check_usable(self) -> None:
+        """Raise why no call can go now (nothing, when healthy)."""
         state = self.state
-        if state == HEALTHY:
+        if state is HEALTHY:
             return
-        if state == NEW:
+        if state is NEW:
             raise RuntimeError("start() has not run: call runner.start() (or use `with runner:`)")
         failure = self.failure
-        if state == RESTARTING:
+        if state is RESTARTING:  # a caller that waits for the end never gets here
             raise RuntimeError(f"this DistributedRunner is restarting after "
-                               f"{type(failure).__name__}: wait for it (a call waits by "
-                               f"itself)") from failure
+                               f"{type(failure).__name__}: wait for it") from failure
         if failure is None:
             raise RuntimeError("this DistributedRunner is unusable (it was shut down); build "
                                "and start a new one")
-        budget = self.restarts.budget_note() if self.restarts is not None else ""
-        then = "It was shut down; build and start a new one" if state == CLOSED else \
+        then = "It was shut down; build and start a new one" if state is CLOSED else \
             "runner.restart() brings its ranks back (or shut it down and build a new one)"
         raise RuntimeError(f"this DistributedRunner is unusable: {type(failure).__name__}: "
-                           f"{failure}{budget}. {then}") from failure
+                           f"{failure}{self.budget_note()}. {then}") from failure
 
     def broken(self, exc: BaseException, at: Call | None = None) -> None:
-        """The runner is unusable from now on: ``at`` (default: the call the ranks run)
-        fails with ``exc``, every other call in flight with the same type of error."""
-        if self.state != HEALTHY:
+        """The runner is unusable from now on (or restarts itself, if the budget allows):
+        ``at`` (default: the call the ranks run) fails with ``exc``, every other call in
+        flight with the same type of error."""
+        if self.state is not HEALTHY:
             return
-        self.state, self.failure = UNUSABLE, exc
-        note = self.restarts.after_failure(exc) if self.restarts is not None else None
-        if note is not None:
-            self.state = RESTARTING
+        note = self.restart_policy(exc)
+        self.move(UNUSABLE if note is None else RESTARTING, exc)
         at = at or (self.in_flight[0] if self.in_flight else None)
         if isinstance(exc, WorkerCrashed) and self.observers:
             self.observers = tell(self.observers, "died", self.supervisor.dead())
@@ -123,6 +238,8 @@ class CallQueue:
 
     def fail_in_flight(self, error_of: Callable[[Call], BaseException],
                        note: str | None = None, outcome: str = CANCELLED) -> None:
+        """Every call in flight fails; the callers waiting for a turn keep it (they wait
+        for a restart, or see why they cannot send)."""
         for call in self.in_flight:
             if not call.done:
                 error = error_of(call)
@@ -131,85 +248,143 @@ class CallQueue:
                 self._settle(call, None, error, outcome)
         self.in_flight.clear()
         self.by_seq.clear()
-        self.turns.clear()
-        self.receiver.changed_all()
+        self.changed_all()
+
+    def begin_restart(self) -> None:
+        """restart() from the caller: the calls in flight fail; new ones wait for it."""
+        with self.lock:
+            if self.state is CLOSED:
+                raise RuntimeError("this DistributedRunner was shut down: restart() brings "
+                                   "back a runner that broke, not one shut down; build a new one")
+            if self.state is NEW:
+                raise RuntimeError("start() has not run: call runner.start() first")
+            while self.state is RESTARTING:  # a restart of its own (max_restarts) runs
+                self.wait(WAKE)
+            if self.state is HEALTHY:
+                self.fail_in_flight(lambda call: RuntimeError(
+                    f"{call.what} was in flight when runner.restart() was called: it has "
+                    f"no result"))
+                self.move(RESTARTING, None)
+            else:
+                self.move(RESTARTING)
+
+    def take_over_for_restart(self) -> tuple[int, BaseException | None]:
+        """A restart begins its work: nobody receives any more (the restart's exchanges
+        read the socket); the last call sent, and why the runner restarts."""
+        with self.lock:
+            self.wait_for_receiver()
+            assert self.path is not None
+            seq, why = self.path.seq, self.failure
+        self.stop_collector()
+        return seq, why
+
+    def restart_ended(self, failure: BaseException | None) -> bool:
+        """The restart ended: healthy again, or unusable with ``failure``; False if it
+        had ended already (shut down meanwhile, or this very call moved it)."""
+        with self.lock:
+            if self.state is not RESTARTING:
+                return False
+            if failure is None:
+                assert self.path is not None and self.supervisor.ranks is not None
+                self.path.ranks = self.supervisor.ranks
+                self.move(HEALTHY, None)
+            else:
+                self.move(UNUSABLE, failure)
+            return True
 
     def close(self) -> None:
         """Shut down: the calls in flight fail; waits until nobody is receiving."""
-        if self.restarts is not None:
-            self.restarts.stop()
         with self.lock:
-            if self.state == CLOSED:
+            if self.state is CLOSED:
                 return
-            if self.state == HEALTHY and self.in_flight and self.path is not None:
+            if self.state is HEALTHY and self.in_flight and self.path is not None:
                 # The ranks skip the calls that fail here, rather than run them first
                 # (Supervisor.close sends the DROP, like SHUTDOWN, within the grace).
                 self.supervisor.drop_through = self.path.seq
-            self.state = CLOSED
+            self.move(CLOSED)
             self.fail_in_flight(lambda call: RuntimeError(
                 f"{call.what} was still in flight when the runner was shut down: it has no "
                 f"result"))
-            self.receiver.wait_for_receiver()
-        self.receiver.stop_collector()
+            self.wait_for_receiver()
+        self.stop_collector()
         self.settle_futures()
 
     # -- sending ----------------------------------------------------------------------------
     def send(self, method: str, value: Any, timeout: float | None,
-             future: Future | None = None) -> Call:
-        """Take a turn (first come, first served), wait for room in flight at most
-        ``timeout`` (CallQueueFull), publish.  A ``future`` call has no waiter: the
+             queue_timeout: float | None, future: Future | None = None,
+             stream: bool = False) -> Call:
+        """:meth:`send_locked`, taking the lock; a ``future`` call has no waiter: the
         collector receives for it."""
         try:
             with self.lock:
-                return self.send_locked(method, value, timeout, future)
+                return self.send_locked(method, value, timeout, queue_timeout, future, stream)
         finally:
             self.settle_futures()  # a failure to send may have failed the calls in flight
 
     def send_locked(self, method: str, value: Any, timeout: float | None,
-                    future: Future | None = None) -> Call:
-        if self.state == RESTARTING:
-            self.restarts.wait(method, timeout)  # type: ignore[union-attr]
-        if not self.turns and self.state == HEALTHY and len(self.in_flight) < self.max_in_flight:
-            return self.publish(None, method, value, timeout, future)  # nobody waits: at once
-        self.check_usable()
-        turn = object()
-        self.turns.append(turn)
+                    queue_timeout: float | None, future: Future | None = None,
+                    stream: bool = False) -> Call:
+        """Take a turn (first come, first served), wait for room in flight and for a
+        restart in progress, at most ``queue_timeout`` (CallQueueFull), publish; a
+        ``stream`` call's items are handed over as they come."""
+        if not self.turns and self.state is HEALTHY and len(self.in_flight) < self.max_in_flight:
+            return self.publish(None, method, value, timeout, future, stream)  # at once
+        turn = self.take_turn()
         try:
-            if not self.my_turn(turn):
-                give_up = None if timeout is None else time.monotonic() + timeout
-                if not self.receiver.pump(lambda: self.my_turn(turn), give_up):
-                    raise self.queue_full(method, timeout)
-            return self.publish(turn, method, value, timeout, future)
+            give_up = None if queue_timeout is None else time.monotonic() + queue_timeout
+            if not self.pump(lambda: self.may_send(turn), give_up):
+                raise self.not_sent(method, queue_timeout)
+            return self.publish(turn, method, value, timeout, future, stream)
         finally:
             self.leave_turn(turn)
 
-    def my_turn(self, turn: object) -> bool:
-        """This caller may send now (or must look why not: the runner broke)."""
-        return self.state != HEALTHY or (
-            self.turns[0] is turn and len(self.in_flight) < self.max_in_flight)
+    def take_turn(self) -> object:
+        """Under the lock: a place in the line of callers waiting to send."""
+        if self.state is not RESTARTING:
+            self.check_usable()
+        turn = object()
+        self.turns.append(turn)
+        return turn
+
+    def may_send(self, turn: object) -> bool:
+        """This caller may send now, or must look why not (the runner is not healthy and
+        not restarting either: publish() raises why)."""
+        state = self.state
+        if state is HEALTHY:
+            return self.turns[0] is turn and len(self.in_flight) < self.max_in_flight
+        return state is not RESTARTING
+
+    def not_sent(self, method: str, queue_timeout: float | None) -> CallQueueFull:
+        if self.state is RESTARTING:
+            return CallQueueFull(
+                f"{method}() waited {queue_timeout:g} s for the runner's restart to end; "
+                f"nothing was sent (the restart goes on)")
+        return queue_full(method, queue_timeout, len(self.in_flight), self.max_in_flight,
+                          self.in_flight[0].what if self.in_flight else "nothing")
 
     def leave_turn(self, turn: object) -> None:
         if turn in self.turns:
             first = self.turns[0] is turn
             self.turns.remove(turn)
             if first and self.turns:
-                self.receiver.changed_all()
+                self.changed_all()
 
     def publish(self, turn: object | None, method: str, value: Any, timeout: float | None,
-                future: Future | None) -> Call:
+                future: Future | None, stream: bool = False) -> Call:
         """Send now (our turn, room in flight); the call is in flight when this returns."""
         self.check_usable()
         assert self.path is not None
-        self.receiver.sending = True
+        self.sending = True
         try:
             call = self.path.send(method, value, timeout, bool(self.in_flight))
         except (WorkerCrashed, WorkerTimeout) as exc:
             self.broken(exc)
             raise  # keeps its __cause__
         finally:
-            self.receiver.sending = False
+            self.sending = False
         if timeout is not None and not self.in_flight:  # the ranks start it now
             call.deadline = time.monotonic() + timeout
+        call.stream = stream
         self.in_flight.append(call)
         self.by_seq[call.seq] = call
         if turn is not None:
@@ -221,24 +396,18 @@ class CallQueue:
         else:
             call.future = future
             future.set_running_or_notify_cancel()  # sent: it cannot be taken back
-            self.receiver.want_collector()
+            self.want_collector()
         if self.turns:
-            self.receiver.changed_all()
+            self.changed_all()
         return call
 
-    def queue_full(self, method: str, timeout: float | None) -> CallQueueFull:
-        return queue_full(method, timeout, len(self.in_flight), self.max_in_flight,
-                          self.in_flight[0].what if self.in_flight else "nothing")
-
-    # -- what the waits of threads (blocking.py) and tasks (aio.py) ask -------------------
-    def all_answered(self) -> Callable[[], bool] | None:
-        """Under the lock, on a usable runner: None when no call is in flight, else
-        what says that every call sent so far is answered (or the runner broke)."""
-        self.check_usable()
-        if not self.in_flight:
-            return None
-        last = self.in_flight[-1]
-        return lambda: last.done or self.state != HEALTHY
+    # -- what the waits of threads and tasks ask ------------------------------------------
+    def answered_so_far(self) -> Callable[[], bool]:
+        """Under the lock: what says that every call sent so far is answered, or that the
+        runner broke or was shut down (a restart in progress is waited for)."""
+        last = self.in_flight[-1] if self.in_flight else None
+        return lambda: self.state is not RESTARTING and (
+            self.state is not HEALTHY or last is None or last.done)
 
     def busy(self) -> list[int]:
         """The ranks that have not answered the call they run."""
@@ -250,8 +419,8 @@ class CallQueue:
     def wait_while_sending(self, done: Callable[[], bool], deadline: float | None) -> None:
         """A RECLAIM round in the middle of a send: receive until ``done()`` or the deadline;
         the failure if the runner breaks meanwhile (a rank died)."""
-        self.receiver.pump(lambda: done() or self.state != HEALTHY, deadline)
-        if self.state != HEALTHY and self.failure is not None:
+        self.pump(lambda: done() or self.state is not HEALTHY, deadline)
+        if self.state is not HEALTHY and self.failure is not None:
             raise self.failure
 
     # -- leaving ----------------------------------------------------------------------------
@@ -259,7 +428,7 @@ class CallQueue:
         """A caller stops waiting for ``call`` (it may come back)."""
         call.watchers -= 1
         if call.watchers <= 0 and not call.done:
-            self.receiver.want_collector()
+            self.want_collector()
 
     def leave(self, call: Call) -> None:
         """Nobody takes ``call``'s value or items any more: the ranks still finish it,
@@ -268,7 +437,7 @@ class CallQueue:
         call.items.clear()
         call.watchers = 0
         if not call.done:
-            self.receiver.want_collector()
+            self.want_collector()
 
     def leave_soon(self, call: Call) -> None:
         """:meth:`leave` from anywhere, a finalizer too: now if the lock is free, else by
@@ -286,9 +455,122 @@ class CallQueue:
         while self.left:
             self.leave(self.left.popleft())
 
+    # -- receiving (threads) ----------------------------------------------------------------
+    def pump(self, satisfied: Callable[[], bool], give_up: float | None = None) -> bool:
+        """Under the lock: receive (or let the receiver receive; during a restart, let it
+        work) until ``satisfied()`` (True) or the monotonic ``give_up`` passed (False)."""
+        while not satisfied():
+            now = time.monotonic()
+            if give_up is not None and now >= give_up:
+                return False
+            if self.receiving or self.state is not HEALTHY:
+                self.wait(WAKE if give_up is None else min(give_up - now, WAKE))
+            else:
+                self.serve(now, give_up)
+        return True
+
+    def serve(self, now: float, give_up: float | None) -> None:
+        """As the receiver: one message (waiting until the next deadline or ``give_up``);
+        a passed deadline with nothing left to read breaks the runner."""
+        if self.left:
+            self.take_left()
+        if self.answered_due:
+            self.tell_answered()
+        due = self.next_deadline()
+        if due is not None and now >= due:
+            if not self.drain():
+                self.expire()
+            return
+        until = due if give_up is None else give_up if due is None else min(due, give_up)
+        path = self.path
+        assert path is not None
+        wait_ms = WAKE_MS if until is None or until - now >= WAKE else \
+            timeouts.wait_ms(until - now)
+        self.receiving = True
+        message = None
+        try:
+            memory = path.memory
+            if memory.hungry is not None or path.results.has_released():
+                memory.flush()
+            self.lock.release()
+            try:
+                if self.settled:
+                    self.settle_futures()
+                message = path.bus.receive(wait_ms)
+            finally:
+                self.lock.acquire()
+            if message is not None:
+                path.arrived(message[0])
+                self.dispatch(message)
+        finally:
+            self.receiving = False
+            if self.waiting or self.wakers or self.collector is not None:
+                self.changed_all()
+
+    def drain(self) -> bool:
+        """Without waiting: dispatch what has arrived (True if anything did)."""
+        path = self.path
+        assert path is not None and not self.receiving
+        if self.left:
+            self.take_left()
+        path.memory.flush()
+        got = False
+        bus = path.bus
+        for _ in range(DRAIN_MOST):
+            if not bus.pull_events() & POLLIN:
+                break
+            message = bus.receive(0)
+            if message is not None:
+                got = True
+                path.arrived(message[0])
+                self.dispatch(message)
+        if got:
+            self.changed_all()
+        return got
+
+    def changed_all(self) -> None:
+        """Under the lock: every waiter looks again (threads, tasks, the collector)."""
+        if self.waiting:
+            self.changed.notify_all()
+        for waker in self.wakers:
+            waker.wake()
+        if self.collector is not None and self.unwatched():
+            self.wanted.notify()
+
+    def wait_for_receiver(self) -> None:
+        """Under the lock: until no caller receives or sends (shutdown, a restart)."""
+        give_up = time.monotonic() + 4 * WAKE
+        while (self.receiving or self.sending) and time.monotonic() < give_up:
+            self.wait(WAKE)
+
+    def wait(self, seconds: float) -> None:
+        """Under the lock: until changed_all() or ``seconds``."""
+        self.waiting += 1
+        try:
+            self.changed.wait(seconds)
+        finally:
+            self.waiting -= 1
+
+    # -- deadlines --------------------------------------------------------------------------
+    def next_deadline(self) -> float | None:
+        """The moment the call the ranks run runs out of time waiting for its next reply
+        or item (None: it cannot).  A call behind it has no clock yet: its own starts
+        when the ranks start it, and until then the call they run is the one that can be
+        late (and the one a timeout names)."""
+        return self.in_flight[0].deadline if self.in_flight else None
+
+    def expire(self) -> None:
+        """Nothing more arrived and the deadline of the call the ranks run passed: it
+        timed out; the runner breaks."""
+        assert self.in_flight
+        head = self.in_flight[0]
+        silent = [r for r in range(self.world_size) if r not in head.replies]
+        self.broken(self.supervisor.timed_out(silent, head.timeout, head.what, head.replies),
+                    head)
+
     # -- what arrives -----------------------------------------------------------------------
     def dispatch(self, message: tuple[dict, list]) -> None:
-        """One message from a rank, its ledger fields already applied (CallPath.receive)."""
+        """One message from a rank, its ledger fields already applied (CallPath.arrived)."""
         header, body = message
         kind = header[Field.KIND]
         path = self.path
@@ -347,7 +629,7 @@ class CallQueue:
                 self.tell_answered()
             self._settle(call, verdict.value, verdict.error,
                          OK if verdict.error is None else RAISED)
-        self.receiver.changed_all()
+        self.changed_all()
 
     def tell_answered(self) -> None:
         """Under the lock: Kind.ANSWERED for ``answered_due``; a full pipe keeps it due,
@@ -382,3 +664,85 @@ class CallQueue:
                 future.set_exception(call.error)
             else:
                 future.set_result(call.value)
+
+    # -- the collector ----------------------------------------------------------------------
+    def unwatched(self) -> bool:
+        return any(call.watchers <= 0 for call in self.in_flight)
+
+    def want_collector(self) -> None:
+        """Under the lock: a call in flight has nobody waiting for it."""
+        if self.collector is None:
+            self.collector = threading.Thread(target=self.collect, daemon=True,
+                                              name="reactor-dist-collector")
+            self.collector.start()
+        else:
+            self.wanted.notify()
+
+    def collect(self) -> None:
+        try:
+            while True:
+                with self.lock:
+                    if self.state is not HEALTHY:
+                        return
+                    if self.receiving or not self.unwatched():
+                        if not self.settled:
+                            self.wanted.wait(WAKE)
+                    else:
+                        self.serve(time.monotonic(), None)
+                self.settle_futures()
+        finally:
+            self.settle_futures()
+
+    def stop_collector(self) -> None:
+        """Outside the lock, once the queue is not healthy: the collector ends."""
+        collector = self.collector
+        if collector is not None and collector is not threading.current_thread():
+            with self.lock:
+                self.wanted.notify_all()
+            collector.join(timeout=4 * WAKE)
+            if not collector.is_alive():
+                self.collector = None  # a new one starts at the next need (after a restart)
+
+    # -- receiving (asyncio tasks) ------------------------------------------------------------
+    def poll(self, satisfied: Callable[[], bool],
+             give_up: float | None = None) -> bool | float | None:
+        """Under the lock, never blocking (a task's turn): True once ``satisfied()``, False
+        past ``give_up``; else when to look again (None: when woken)."""
+        if satisfied():
+            return True
+        now = time.monotonic()
+        if give_up is not None and now >= give_up:
+            return False
+        due = self.next_deadline()
+        if not self.receiving and self.state is HEALTHY:
+            if not self.drain() and due is not None and now >= due:
+                self.expire()
+            if satisfied():
+                return True
+            due = self.next_deadline()
+        return due if give_up is None else give_up if due is None else min(due, give_up)
+
+    def add_waker(self, waker: Waker) -> None:
+        """Under the lock: a task waits; its loop watches the reply socket meanwhile."""
+        self.wakers.append(waker)
+        loop = waker.loop
+        if not self.readers.get(loop):
+            assert self.path is not None
+            loop.add_reader(self.path.bus.pull_fd, self.readable, loop)
+        self.readers[loop] = self.readers.get(loop, 0) + 1
+
+    def remove_waker(self, waker: Waker) -> None:
+        self.wakers.remove(waker)
+        loop = waker.loop
+        self.readers[loop] -= 1
+        if not self.readers[loop]:
+            del self.readers[loop]
+            if self.path is not None and not loop.is_closed():
+                with contextlib.suppress(Exception):  # the bus may be closed by now
+                    loop.remove_reader(self.path.bus.pull_fd)
+
+    def readable(self, loop: asyncio.AbstractEventLoop) -> None:
+        """In ``loop``: the reply socket may have a message; its tasks look."""
+        for waker in list(self.wakers):
+            if waker.loop is loop:
+                waker.set()

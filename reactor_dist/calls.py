@@ -23,7 +23,7 @@ import collections
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from . import shm, transfer
 from .bus import CommandBlocked
@@ -46,7 +46,7 @@ class Call:
     __slots__ = ("seq", "method", "timeout", "what", "replies", "items", "abandoned",
                  "generator", "started", "sent", "deadline", "watchers",
                  "done", "value", "error", "future", "itemized", "times", "compute",
-                 "collective_wait", "tags")
+                 "collective_wait", "tags", "stream")
 
     def __init__(self, seq: int, method: str, timeout: float | None, started: float = 0.0,
                  sent: float = 0.0) -> None:
@@ -57,6 +57,8 @@ class Call:
         self.items: collections.deque[Any] = collections.deque()
         self.abandoned = False  # nobody takes its value or items any more
         self.generator = False  # rank 0's generate() was a generator (known at the end)
+        self.stream = False  # sent by stream()/astream(): its items are handed over as
+        # they come (traces name its span reactor_dist.stream)
         # monotonic, once the ranks run it: the end of its wait for the next reply or
         # item (None: no limit, or not started yet).
         self.deadline: float | None = None
@@ -89,6 +91,30 @@ class Undecodable(NamedTuple):
     """An item that did not unpickle in the caller (raised where it is taken)."""
 
     error: Exception
+
+
+class Ends(Protocol):
+    """A stream's iterator (threads' or tasks'), as :func:`hand_out` sees it."""
+
+    def close(self) -> None: ...
+
+    def end(self) -> Call | None: ...
+
+
+def hand_out(stream: Ends, more: bool, item: Any, stop: type[Exception]) -> Any:
+    """What a stream's next item is: an item; at the end the contract's error, a plain
+    worker's one value, or ``stop`` after a generator's last item."""
+    if more:
+        if isinstance(item, Undecodable):  # it did not unpickle here: the step goes on
+            stream.close()
+            raise item.error
+        return item
+    ended = stream.end()
+    assert ended is not None
+    value = ended.result()  # raises the contract's error
+    if ended.generator:
+        raise stop
+    return value
 
 
 def compute_seconds(call: Call, world_size: int) -> tuple[float, ...]:

@@ -29,7 +29,7 @@ from types import EllipsisType
 from typing import Any
 
 from . import aio, blocking, validation
-from .call_queue import CLOSED, HEALTHY, NEW, UNUSABLE, CallQueue
+from .call_queue import CLOSED, HEALTHY, NEW, CallQueue
 from .observers import Observer, tell
 from .placement import check_ray_options
 from .protocol import Method
@@ -51,10 +51,11 @@ from .validation import (
 from .worker import check_not_rerunning_main
 
 
-def _close(supervisor: Supervisor, queue: CallQueue) -> None:
+def _close(supervisor: Supervisor, queue: CallQueue, restarts: Restarts) -> None:
     """Finalizer (also at interpreter exit): never leave a process or a file behind."""
-    graceful = queue.state == HEALTHY
     try:
+        restarts.stop()  # a restart in progress gives up first
+        graceful = queue.state is HEALTHY
         queue.close()  # the calls in flight fail
         supervisor.close(graceful=graceful)
     except BaseException:
@@ -127,11 +128,12 @@ class DistributedRunner:
         self._timings = Recorder(world_size)
         self._queue = CallQueue(self._supervisor, max_in_flight, self._timings)
         rejoin = callable(getattr(worker_cls, "rejoin", None))
-        self._restarts = self._queue.restarts = Restarts(
+        self._restarts = Restarts(
             self._queue, rejoin=rejoin, grace=check_grace(shutdown_grace),
             max_restarts=max_restarts, window=window, timeout=self.start_timeout)
         self._lifecycle = threading.Lock()  # start() and shutdown() take turns
-        self._finalizer = weakref.finalize(self, _close, self._supervisor, self._queue)
+        self._finalizer = weakref.finalize(self, _close, self._supervisor, self._queue,
+                                           self._restarts)
 
     # -- properties -----------------------------------------------------------------------
     @property
@@ -242,7 +244,6 @@ class DistributedRunner:
             if queue.state != NEW:
                 raise RuntimeError("a DistributedRunner starts once; restart() brings its "
                                    "ranks back after a failure")
-            queue.state = UNUSABLE  # until proven otherwise
             if "opentelemetry.trace" in sys.modules:  # the app uses OpenTelemetry
                 from .tracing import instrument_if_configured
                 instrument_if_configured(self)  # spans when it set a tracer provider
@@ -250,9 +251,8 @@ class DistributedRunner:
             try:
                 self._supervisor.start(self.start_timeout)
             except BaseException as exc:
-                queue.failure = exc
                 self._supervisor.close(graceful=False)
-                queue.state = CLOSED
+                queue.start_failed(exc)
                 self._lifecycle_ended("start", began, exc)
                 raise
             queue.open()
@@ -266,34 +266,47 @@ class DistributedRunner:
             with queue.lock:
                 queue.observers = observers
 
-    def generate(self, input: Any, /, *,
-                 timeout: float | None | EllipsisType = ...) -> Any:
-        """Run ``generate(input)`` on every rank; rank 0's result, or the contract's error."""
-        return blocking.call(self._queue, Method.GENERATE, input, self._timeout(timeout))
+    def generate(self, input: Any, /, *, timeout: float | None | EllipsisType = ...,
+                 queue_timeout: float | None | EllipsisType = ...) -> Any:
+        """Run ``generate(input)`` on every rank; rank 0's result, or the contract's error.
 
-    def submit(self, input: Any, /, *,
-               timeout: float | None | EllipsisType = ...) -> Future:
+        Two bounds, in seconds (None: no limit): ``timeout`` (default ``call_timeout``)
+        bounds, from when the ranks start the call, each wait for an answer; a late one
+        makes the runner unusable.  ``queue_timeout`` (default: ``timeout``) bounds the
+        wait for the call's turn (``max_in_flight`` calls in flight, or a restart in
+        progress): then CallQueueFull, nothing sent, the runner still healthy; ``0``
+        never waits."""
+        return blocking.call(self._queue, Method.GENERATE, input,
+                             *self._bounds(timeout, queue_timeout))
+
+    def submit(self, input: Any, /, *, timeout: float | None | EllipsisType = ...,
+               queue_timeout: float | None | EllipsisType = ...) -> Future:
         """Send ``generate(input)`` to every rank now and return at once: the future's
         ``result()`` is what :meth:`generate` would return or raise for this call.
 
         The ranks run calls in the order sent; while the app works on one result the
         ranks already compute the next.  With ``max_in_flight`` calls in flight this
-        waits for one to be answered, at most ``timeout`` (then CallQueueFull: nothing
-        was sent, the runner stays healthy); ``timeout`` then bounds, from when the
-        ranks start the call, each wait for its replies."""
-        return blocking.submit(self._queue, Method.GENERATE, input, self._timeout(timeout))
+        waits for one to be answered, at most ``queue_timeout`` (then CallQueueFull:
+        nothing was sent, the runner stays healthy; ``submit(x, queue_timeout=0)`` drops
+        a frame when the model is busy); ``timeout`` bounds, from when the ranks start
+        the call, each wait for its replies (see :meth:`generate`)."""
+        return blocking.submit(self._queue, Method.GENERATE, input,
+                               *self._bounds(timeout, queue_timeout))
 
-    def stream(self, input: Any, /, *,
-               timeout: float | None | EllipsisType = ...) -> Stream:
+    def stream(self, input: Any, /, *, timeout: float | None | EllipsisType = ...,
+               queue_timeout: float | None | EllipsisType = ...) -> Stream:
         """Run ``generate(input)`` on every rank; iterate rank 0's items as they are made.
 
-        ``timeout`` bounds the wait for each next item and for the end of the step.
-        Leaving early lets the step finish on every rank and drops the rest unread."""
-        return Stream.send(self._queue, input, self._timeout(timeout))
+        ``timeout`` bounds the wait for each next item and for the end of the step,
+        ``queue_timeout`` the wait for its turn (see :meth:`generate`).  Leaving early
+        lets the step finish on every rank and drops the rest unread."""
+        return Stream.send(self._queue, input, *self._bounds(timeout, queue_timeout))
 
-    def reset(self, *, timeout: float | None | EllipsisType = ...) -> None:
-        """Run ``reset()`` on every rank (clear session state, keep weights)."""
-        blocking.call(self._queue, Method.RESET, None, self._timeout(timeout))
+    def reset(self, *, timeout: float | None | EllipsisType = ...,
+              queue_timeout: float | None | EllipsisType = ...) -> None:
+        """Run ``reset()`` on every rank (clear session state, keep weights); the bounds
+        as in :meth:`generate`."""
+        blocking.call(self._queue, Method.RESET, None, *self._bounds(timeout, queue_timeout))
 
     def wait_idle(self, timeout: float | None | EllipsisType = ...) -> bool:
         """Wait until the ranks answered every call sent so far, also the calls nobody
@@ -314,7 +327,7 @@ class DistributedRunner:
         what start() would (the runner stays unusable)."""
         timeout = self.start_timeout if timeout is ... else _check_timeout("timeout", timeout)
         with self._lifecycle:
-            self._restarts.begin()
+            self._queue.begin_restart()
             began = perf_counter()
             try:
                 self._restarts.run(timeout)
@@ -330,26 +343,35 @@ class DistributedRunner:
     def _timeout(self, timeout: float | None | EllipsisType) -> float | None:
         return self.call_timeout if timeout is ... else _check_timeout("timeout", timeout)
 
+    def _bounds(self, timeout: float | None | EllipsisType,
+                queue_timeout: float | None | EllipsisType) -> tuple[float | None, float | None]:
+        """A call's run bound and its bound for the wait for its turn (default: the same)."""
+        run = self._timeout(timeout)
+        return run, run if queue_timeout is ... else _check_timeout(
+            "queue_timeout", queue_timeout, zero=True)
+
     # -- asyncio ------------------------------------------------------------------------------
     async def astart(self) -> None:
         """:meth:`start`, in a thread of its own: the event loop keeps running meanwhile."""
         await asyncio.to_thread(self.start)
 
-    async def agenerate(self, input: Any, /, *,
-                        timeout: float | None | EllipsisType = ...) -> Any:
+    async def agenerate(self, input: Any, /, *, timeout: float | None | EllipsisType = ...,
+                        queue_timeout: float | None | EllipsisType = ...) -> Any:
         """:meth:`generate` for a task: the loop never blocks; calls of several tasks
         are sent in the order they asked, up to ``max_in_flight`` at once."""
-        return await aio.call(self._queue, Method.GENERATE, input, self._timeout(timeout))
+        return await aio.call(self._queue, Method.GENERATE, input,
+                              *self._bounds(timeout, queue_timeout))
 
     @aio.must_await
-    async def areset(self, *, timeout: float | None | EllipsisType = ...) -> None:
+    async def areset(self, *, timeout: float | None | EllipsisType = ...,
+                     queue_timeout: float | None | EllipsisType = ...) -> None:
         """:meth:`reset` for a task."""
-        await aio.call(self._queue, Method.RESET, None, self._timeout(timeout))
+        await aio.call(self._queue, Method.RESET, None, *self._bounds(timeout, queue_timeout))
 
-    def astream(self, input: Any, /, *,
-                timeout: float | None | EllipsisType = ...) -> aio.AsyncStream:
+    def astream(self, input: Any, /, *, timeout: float | None | EllipsisType = ...,
+                queue_timeout: float | None | EllipsisType = ...) -> aio.AsyncStream:
         """:meth:`stream` for ``async for``; the call is sent at the first item awaited."""
-        return aio.AsyncStream(self._queue, input, self._timeout(timeout))
+        return aio.AsyncStream(self._queue, input, *self._bounds(timeout, queue_timeout))
 
     async def await_idle(self, timeout: float | None | EllipsisType = ...) -> bool:
         """:meth:`wait_idle` for a task."""

@@ -22,69 +22,20 @@ A stream is read by one thread: the thread that takes its first item owns it, an
 readers would split its items between them in silence).  ``async for`` over a stream
 raises TypeError (async code uses ``runner.astream(x)``); a stream nobody read yet is
 left then, so its step ends on every rank and holds up nothing.
-
-A stream's call is sent inside :func:`sending_stream`, so that an observer's ``sent``
-hook (which runs in the sending thread or task) tells it from a ``generate()`` by
-:func:`streaming` (traces name its span ``reactor_dist.stream``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
-from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import blocking
-from .calls import Undecodable
-from .protocol import Method
+from .calls import hand_out
 
 if TYPE_CHECKING:
     from .call_queue import CallQueue
     from .calls import Call
-
-
-_streaming: ContextVar[bool] = ContextVar("reactor_dist_streaming", default=False)
-
-
-def streaming() -> bool:
-    """In an observer's ``sent``: whether the call being sent is a stream's."""
-    return _streaming.get()
-
-
-@contextlib.contextmanager
-def sending_stream() -> Iterator[None]:
-    """Around the send of runner.stream()/astream()'s call (a task's context is its own)."""
-    token = _streaming.set(True)
-    try:
-        yield
-    finally:
-        _streaming.reset(token)
-
-
-class _Ends(Protocol):
-    """Stream and AsyncStream, as hand_out sees them."""
-
-    def close(self) -> None: ...
-
-    def end(self) -> Call | None: ...
-
-
-def hand_out(stream: _Ends, more: bool, item: Any, stop: type[Exception]) -> Any:
-    """What next() gives: an item; at the end the contract's error, a plain worker's
-    one value, or ``stop`` after a generator's last item."""
-    if more:
-        if isinstance(item, Undecodable):  # it did not unpickle here: the step goes on
-            stream.close()
-            raise item.error
-        return item
-    ended = stream.end()
-    assert ended is not None
-    value = ended.result()  # raises the contract's error
-    if ended.generator:
-        raise stop
-    return value
 
 
 class Stream:
@@ -98,10 +49,10 @@ class Stream:
         self._claim = threading.Lock()
 
     @classmethod
-    def send(cls, queue: CallQueue, value: Any, timeout: float | None) -> Stream:
-        """Send ``generate(value)`` as a stream's call (observers see :func:`streaming`)."""
-        with sending_stream():
-            return cls(queue, queue.send(Method.GENERATE, value, timeout))
+    def send(cls, queue: CallQueue, value: Any, timeout: float | None,
+             queue_timeout: float | None) -> Stream:
+        """Send ``generate(value)`` as a stream's call."""
+        return cls(queue, blocking.send_stream(queue, value, timeout, queue_timeout))
 
     def __iter__(self) -> Stream:
         return self

@@ -27,18 +27,18 @@ GROUP_MARGIN = 60.0
 GROUP_WITHOUT_CALL_TIMEOUT = 1800.0  # call_timeout=None: 30 min (torch's gloo default)
 
 
-def check_timeout(name: str, value: Any) -> float | None:
+def check_timeout(name: str, value: Any, zero: bool = False) -> float | None:
     """``value`` as seconds, or None for no limit (``None`` or ``math.inf``); ValueError
-    for anything else than a positive number."""
+    for anything else than a positive number (``zero``: or 0, "never wait")."""
+    least = "a number of seconds >= 0" if zero else "a positive number of seconds"
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a positive number of seconds or None (no limit), "
+        raise ValueError(f"{name} must be {least} or None (no limit), "
                          f"got {value!r} of type {type(value).__name__}")
     seconds = float(value)
-    if math.isnan(seconds) or seconds <= 0:
-        raise ValueError(f"{name} must be a positive number of seconds or None (no limit), "
-                         f"got {value!r}")
+    if math.isnan(seconds) or seconds < 0 or (seconds == 0 and not zero):
+        raise ValueError(f"{name} must be {least} or None (no limit), got {value!r}")
     return None if math.isinf(seconds) else seconds
 
 

@@ -36,7 +36,6 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from .observers import Observer
-from .stream import streaming
 
 if TYPE_CHECKING:
     from .calls import Call
@@ -81,7 +80,7 @@ class TracingObserver(Observer):
         return int(perf_seconds * 1e9) + self.offset_ns
 
     def sent(self, call: Call) -> None:
-        name = "stream" if streaming() else call.method
+        name = "stream" if call.stream else call.method
         span = self.tracer.start_span(
             f"reactor_dist.{name}", start_time=self.ns(call.started),
             attributes={"reactor_dist.world_size": self.world_size,

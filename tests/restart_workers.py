@@ -7,9 +7,12 @@ A dict input makes one rank fail at a chosen place (``FaultAt``); ``Arm`` leaves
 thread behind that fires a fault while the rank is idle.
 
 Each ``load()`` and ``rejoin()`` appends ``<pid>`` to ``<state_dir>/load-<rank>`` or
-``rejoin-<rank>``: the tests count them per process.  With ``load_fault`` set, load()
-fires that fault on the rank it names once the file ``marker`` exists (a fault during
-restart() itself: the test creates the marker after start()).
+``rejoin-<rank>``: the tests count them per process; with ``reload_seconds``, a load()
+after the first of its rank (a replacement's, in a restart) sleeps that long once its
+record is written (a test sees that the replacement is inside load()).  With
+``load_fault`` set, load() fires that fault on the rank it names once the file
+``marker`` exists (a fault during restart() itself: the test creates the marker after
+start()).
 """
 
 from __future__ import annotations
@@ -80,10 +83,14 @@ class Pid:
 
 
 class Reduces(DistributedWorker):
-    def load(self, state_dir: str | None = None, load_fault: dict | None = None) -> None:
+    def load(self, state_dir: str | None = None, load_fault: dict | None = None,
+             reload_seconds: float = 0.0) -> None:
         self.state_dir = state_dir
         self.loads, self.rejoins = 1, 0
+        again = bool(state_dir) and os.path.exists(os.path.join(state_dir, f"load-{self.rank}"))
         record(state_dir, "load", self.rank)
+        if again and reload_seconds:  # a replacement's load() lasts: a restart takes a while
+            time.sleep(reload_seconds)
         if load_fault and load_fault["rank"] == self.rank and \
                 os.path.exists(load_fault["marker"]):
             inject_fault({"phase": "load", "rank": self.rank, "means": load_fault["means"]})
