@@ -26,16 +26,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from . import timeouts
 from .errors import WorkerTimeout
-from .handshake import Ask, exchange
 from .protocol import Field, Kind
-from .supervisor import raise_first_error
-
-if TYPE_CHECKING:
-    from .supervisor import Supervisor
+from .supervisor import Ask, Supervisor, raise_first_error
 
 
 class Restarted(NamedTuple):
@@ -57,8 +53,7 @@ def restart(supervisor: Supervisor, *, rejoin: bool, grace: float, timeout: floa
     # A rank's full pipe refuses the DROP to every rank (XPUB_NODROP: all or none): then
     # no rank may keep its model, since a kept rank would run the failed calls first.
     dropped = bus.try_publish({Field.KIND: Kind.DROP, Field.SEQ: last_seq})
-    ranks.watch.close()  # deaths from here on are this restart's business:
-    supervisor.epoch += 1  # the old watch's notices are stale from now on
+    supervisor.new_epoch()  # deaths from here on are this restart's business
     alive = [r for r, proc in enumerate(ranks.procs) if proc.alive()]
     kept = responsive(supervisor, alive, min(grace, max(deadline - began, 0.0)), other) \
         if rejoin and alive and dropped else []
@@ -70,7 +65,7 @@ def restart(supervisor: Supervisor, *, rejoin: bool, grace: float, timeout: floa
     rejoin_command = {Field.KIND: Kind.REJOIN, Field.SEQ: 0, Field.EPOCH: epoch}
     progress = frozenset({Kind.PROGRESS})
     if 0 in kept:  # rank 0 opens the new group's store first (across nodes: a new port)
-        told = exchange(supervisor, [Ask({**rejoin_command, Field.RANKS: [0]}, Kind.PROGRESS,
+        told = supervisor.exchange([Ask({**rejoin_command, Field.RANKS: [0]}, Kind.PROGRESS,
                                         frozenset({0}))],
                         deadline - time.monotonic(), timeout, "restart()", other=other)
         port = told[0][0].get(Field.PORT) or 0
@@ -82,7 +77,7 @@ def restart(supervisor: Supervisor, *, rejoin: bool, grace: float, timeout: floa
                         Kind.REJOINED, frozenset(others), progress))
         if 0 in kept:  # has its REJOIN: nothing more to send it
             asks.append(Ask({}, Kind.REJOINED, frozenset({0}), progress))
-    answers = exchange(supervisor, asks, deadline - time.monotonic(), timeout, "restart()",
+    answers = supervisor.exchange(asks, deadline - time.monotonic(), timeout, "restart()",
                        first_error=True, other=other)
     raise_first_error(answers)
     for rank in replaced:

@@ -20,12 +20,21 @@ import os
 import re
 import signal
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import psutil
 
-if TYPE_CHECKING:
-    from .processes import RankProcess
+from .output import RankOutput
+
+
+class RankProcess(Protocol):
+    """What the stacks need of a local rank's process (processes.RankProcess)."""
+
+    rank: int
+    pid: int
+    launcher_pid: int
+    pidfd: int
+    output: RankOutput
 
 DUMP_WAIT = 0.5  # seconds the silent ranks get to write their dumps
 QUIET = 0.03  # a dump is complete once its rank wrote nothing for this long

@@ -5,6 +5,15 @@ bus (:mod:`reactor_dist.bus`), handshakes and waits for every ``load()``;
 :meth:`Supervisor.close` ends them and removes every file.  What happens once per
 call is :class:`reactor_dist.calls.CallPath`, which uses this bus, these ranks and
 ledgers; the order of calls is :mod:`reactor_dist.call_queue`'s.
+
+The exchanges that bring ranks up (:meth:`Supervisor.exchange`: start(), and
+restart()'s with replaced and kept ranks, :mod:`reactor_dist.recovery`) send their
+commands on a fixed beat (PING_EVERY), whatever arrives meanwhile, each until every
+rank it is for has answered it or acknowledged it: a PUB/SUB subscriber that has just
+connected may miss a command (the slow joiner), and a command that meets a full pipe
+is simply tried again at the next beat (``Bus.try_publish``), so none is ever lost.  A
+death of the current generation of ranks ends the exchange with WorkerCrashed; a
+notice of a replaced rank is stale.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import zmq
 
@@ -30,7 +39,6 @@ from .errors import (
     rebuild_exception,
     timeout_error,
 )
-from .handshake import Ask, exchange
 from .ledger import Ledger, Mapped
 from .placement import RayGroup, RaySpec
 from .processes import Ranks, end_ranks, free_port
@@ -64,6 +72,20 @@ Replies = dict[int, tuple[dict, list]]
 
 log = logging.getLogger("reactor_dist")
 
+PING_EVERY = 0.02  # seconds between two sends of a command not yet answered
+LOOK_EVERY = 0.1  # seconds: the longest receive, so that a shutdown is seen
+
+
+class Ask(NamedTuple):
+    """One command of an exchange: what is published, which kind each of ``ranks``
+    answers, and which other kinds say that the command arrived (``acks``)."""
+
+    command: dict[str, Any]
+    answer: str
+    ranks: frozenset[int]
+    acks: frozenset[str] = frozenset()
+
+
 
 class Supervisor:
     """Processes, bus and segments of one runner; raises the ranks' failures
@@ -83,7 +105,7 @@ class Supervisor:
         self.shutdown_grace = shutdown_grace
         self.owner_pid = os.getpid()  # a forked child must never tear down our ranks
         self.inline_limit = transfer.INLINE_LIMIT  # IN_BAND when a rank is on another node
-        self.epoch = 0  # the generation of ranks: +1 per restart (handshake.py, recovery.py)
+        self.epoch = 0  # the generation of ranks: +1 per restart (recovery.py)
         self.closing = False  # shutdown() began: a restart in progress gives up
         self.drop_through = 0  # shutdown() with calls in flight: the ranks skip up to it
         self.master_port = 0  # MASTER_PORT of the ranks (models that form their own group)
@@ -156,11 +178,78 @@ class Supervisor:
         # A rank's first PROGRESS after INIT (its phase "forming the torch group" or "loading")
         # says it got INIT: re-sending stops then, not after load().
         init = {Field.KIND: Kind.INIT, Field.SEQ: 0, Field.PORT: store_port}
-        ready = exchange(self, [Ask(init, Kind.READY, everyone, frozenset({Kind.PROGRESS}))],
+        ready = self.exchange([Ask(init, Kind.READY, everyone, frozenset({Kind.PROGRESS}))],
                          deadline - time.monotonic(), timeout, "start()", first_error=True)
         self.devices = [str(ready[r][0].get(Field.DEVICE)) for r in sorted(ready)]
         self.log_ready(ready)
         raise_first_error(ready)
+
+    def exchange(self, asks: list[Ask], timeout: float,
+                 stated_timeout: float | None, what: str, first_error: bool = False,
+                 other: Callable[[dict[str, Any]], None] = lambda header: None,
+                 partial: bool = False) -> Replies:
+        """Until every rank of every ask answered (each rank is in one ask): the answers.
+        WorkerTimeout after ``timeout`` seconds (``stated_timeout`` is the one named;
+        ``partial``: the answers so far instead), WorkerCrashed at a death (``partial``: the
+        dead rank is no longer waited for).  ``first_error``:
+        a RAISED answer ends the wait at once (a failed load() makes the rest pointless).
+        ``other`` sees every other message.  An ask with an empty command only waits."""
+        bus = self.bus
+        assert bus is not None and self.ranks is not None
+        asked = {rank: ask for ask in asks for rank in ask.ranks}
+        replies: Replies = {}
+        heard: set[int] = set()  # ranks that have their command
+        deadline = time.monotonic() + timeout
+        beat = time.monotonic()  # when the commands are next due
+        while len(replies) < len(asked):
+            if self.closing:
+                raise RuntimeError(f"the runner was shut down during {what}")
+            now = time.monotonic()
+            sending = len(heard) < len(asked)
+            if sending and now >= beat:
+                for ask in asks:
+                    if ask.command and not ask.ranks <= heard:
+                        self.publish_start_command(dict(ask.command))
+                beat += PING_EVERY
+                if beat <= now:  # fell behind (a slow receive): no burst to catch up
+                    beat = now + PING_EVERY
+            left = deadline - now
+            if left <= 0:
+                if partial:
+                    return replies
+                silent = sorted(r for r in asked if r not in replies)
+                raise self.timed_out(silent, stated_timeout, what, replies)
+            wait = min(left, beat - now) if sending else min(left, LOOK_EVERY)
+            message = bus.receive(timeouts.wait_ms(max(wait, 0.0)))
+            if message is None:
+                continue
+            header = message[0]
+            kind, rank = header[Field.KIND], header[Field.RANK]
+            ask = asked.get(rank)
+            if kind == Kind.DEATH:
+                if header.get(Field.EPOCH, 0) != self.epoch:
+                    continue  # a replaced rank's
+                if not partial:
+                    raise self.crashed(self.ranks.dead() or [rank], what)
+                # partial (restart()'s grace PING): the dead simply do not answer, and a
+                # notice of a death before the restart (not yet read) is no failure of it
+                for gone in self.ranks.dead() or [rank]:
+                    if gone not in replies:
+                        asked.pop(gone, None)
+                continue
+            if ask is not None and (kind == ask.answer or kind in ask.acks):
+                heard.add(rank)
+            if ask is not None and kind == ask.answer:
+                if rank not in replies:
+                    replies[rank] = message
+                    if first_error and header.get(Field.STATUS) == Status.RAISED:
+                        return {rank: message}
+            elif kind == Kind.PROGRESS:
+                if self.display is not None:
+                    self.display.update(header)
+            else:
+                other(header)
+        return replies
 
     def ping(self, ranks: frozenset[int], deadline: float, timeout: float | None,
              what: str, other: Callable[[dict[str, Any]], None] = lambda header: None,
@@ -168,13 +257,20 @@ class Supervisor:
         """PING until each of ``ranks`` answered (PUB/SUB's slow joiner): their PONGs
         (``partial``: those that came by the deadline)."""
         assert self.ranks is not None
-        pongs = exchange(self, [Ask({Field.KIND: Kind.PING, Field.SEQ: 0}, Kind.PONG, ranks)],
+        pongs = self.exchange([Ask({Field.KIND: Kind.PING, Field.SEQ: 0}, Kind.PONG, ranks)],
                          deadline - time.monotonic(), timeout, what, other=other,
                          partial=partial)
         if not partial:
             for rank, (header, _) in pongs.items():
                 self.ranks.found_launcher(rank, header.get(Field.PID))
         return pongs
+
+    def new_epoch(self) -> None:
+        """A restart begins: the old death watch ends, and its notices are stale from now
+        on (a notice names the generation it watched)."""
+        assert self.ranks is not None
+        self.ranks.watch.close()
+        self.epoch += 1
 
     def replace(self, ranks: list[int]) -> None:
         """restart(), in a new ``epoch``: ``ranks`` get a new process each (same rank,

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
@@ -39,7 +39,17 @@ from .observers import Observer
 
 if TYPE_CHECKING:
     from .calls import Call
-    from .runner import DistributedRunner
+
+
+class DistributedRunner(Protocol):
+    """What tracing needs of a runner (reactor_dist.DistributedRunner): no import of it."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def attach_observer(self, observer: Observer) -> None: ...
+
+    def detach_observer(self, observer: Observer) -> None: ...
 
 SPAN_KEY = "otel.span"  # this observer's entry in call.tags
 # Each runner's observer; None: uninstrument() was called (start() leaves it untraced).

@@ -147,3 +147,60 @@ def test_imports_within_a_side_or_of_shared_modules_pass(module, source):
     sources = dict.fromkeys(SIDES_OF_AN_EXAMPLE, "")
     sources[module] = source
     assert crossings(SIDES_OF_AN_EXAMPLE, sources) == []
+
+
+def circles(sources: dict[str, str]) -> list[list[str]]:
+    """Every import circle among the package's modules (strongly connected groups of two
+    or more), counting every import: at module level, inside a function, or only for the
+    type checker (``if TYPE_CHECKING:``); the package's lazy ``__init__`` is left out (it
+    imports DistributedRunner on first use only, PEP 562)."""
+    package = set(sources)
+    edges = {name: {t for _, t in imported(ast.parse(source), package)
+                    if t != name and t != "__init__"}
+             for name, source in sources.items() if name != "__init__"}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(name: str) -> None:  # Tarjan's strongly connected components
+        order[name] = low[name] = len(order)
+        stack.append(name)
+        for target in sorted(edges.get(name, ())):
+            if target not in order:
+                visit(target)
+                low[name] = min(low[name], low[target])
+            elif target in stack:
+                low[name] = min(low[name], order[target])
+        if low[name] == order[name]:
+            group = []
+            while True:
+                top = stack.pop()
+                group.append(top)
+                if top == name:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for name in sorted(edges):
+        if name not in order:
+            visit(name)
+    return found
+
+
+def test_no_module_imports_a_module_that_imports_it_back():
+    sources = {path.stem: path.read_text() for path in PACKAGE.glob("*.py")}
+    assert circles(sources) == [], ("import circles (a lower module that must name an upper "
+                                    "one uses a typing.Protocol of what it calls)")
+
+
+def test_a_circle_is_found_through_type_checking_and_function_imports():
+    sources = {
+        "upper": "from .lower import helper\n",
+        "lower": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                 "    from .upper import Thing\n",
+        "a": "def f():\n    from . import b\n",
+        "b": "from .a import f\n",
+        "alone": "from . import lower\n",
+    }
+    assert sorted(circles(sources)) == [["a", "b"], ["lower", "upper"]]
