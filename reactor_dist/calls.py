@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import shm, transfer
 from .bus import CommandBlocked
-from .errors import WorkerCrashed, WorkerTimeout, rebuild_exception, type_name
+from .errors import CallName, WorkerCrashed, WorkerTimeout, rebuild_exception, type_name
 from .ledger import IDLE_RETURN
 from .outcome import RETURNED, Outcome
 from .protocol import ErrorRecord, Field, Kind, Method, Status, segments_of
@@ -52,7 +52,7 @@ class Call:
                  sent: float = 0.0) -> None:
         self.seq, self.method, self.timeout = seq, method, timeout
         self.started, self.sent = started, sent  # perf_counter: send() began, CALL published
-        self.what = f"{method}() (call {seq})"
+        self.what = CallName(method, seq)  # its number and method ride with the text
         self.replies: Replies = {}
         self.items: collections.deque[Any] = collections.deque()
         self.abandoned = False  # nobody takes its value or items any more
@@ -180,7 +180,7 @@ class CallPath:
                              time.monotonic() + timeout)
         except CommandBlocked:
             raise self.supervisor.not_taken(timeout, f"{method}()'s command",
-                                           self.busy()) from None
+                                           self.busy(), seq, method) from None
         return Call(seq, method, timeout, started, time.perf_counter())
 
     def receive(self, wait_ms: int) -> tuple[dict, list] | None:
@@ -264,5 +264,9 @@ class CallPath:
             error = rebuild_exception(record, (body[0] if body else b"") or None, rank)
             if status != Status.UNDELIVERABLE:
                 status = Status.RAISED
-            outcomes.append(Outcome(status, None, error, record.type))
+            # Its record, should the judge find a desync: it just answered, so it runs.
+            failure, = self.ranks.failures([rank], self.supervisor.devices, seq=call.seq,
+                                           method=call.method, errors={rank: error},
+                                           answered=True)
+            outcomes.append(Outcome(status, None, error, record.type, failure))
         return outcomes
