@@ -43,7 +43,7 @@ class Call:
     """One call sent to the ranks: its replies so far, rank 0's items not yet taken, and
     when it is answered, its value or error.  Owned by the call queue's lock."""
 
-    __slots__ = ("seq", "method", "timeout", "what", "replies", "items", "abandoned",
+    __slots__ = ("seq", "method", "timeout", "replies", "items", "abandoned",
                  "generator", "started", "sent", "queued_until", "deadline", "watchers",
                  "done", "value", "error", "future", "itemized", "times", "compute",
                  "collective_wait", "tags")
@@ -52,7 +52,6 @@ class Call:
                  sent: float = 0.0) -> None:
         self.seq, self.method, self.timeout = seq, method, timeout
         self.started, self.sent = started, sent  # perf_counter: send() began, CALL published
-        self.what = CallName(method, seq)  # its number and method ride with the text
         self.replies: Replies = {}
         self.items: collections.deque[Any] = collections.deque()
         self.abandoned = False  # nobody takes its value or items any more
@@ -72,6 +71,12 @@ class Call:
         self.compute: tuple[float, ...] | None = None
         self.collective_wait: tuple[float, ...] | None = None  # None: no rank measured
         self.tags: dict[str, Any] | None = None
+
+    @property
+    def what(self) -> CallName:
+        """Its name in messages, ``generate() (call 3)``, its number and method riding
+        with the text (made when a message needs it: no cost on a call's way)."""
+        return CallName(self.method, self.seq)
 
     def settle(self, value: Any, error: BaseException | None) -> None:
         self.done, self.value, self.error = True, value, error
