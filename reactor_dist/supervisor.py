@@ -162,7 +162,8 @@ class Supervisor:
         init = {Field.KIND: Kind.INIT, Field.SEQ: 0, Field.PORT: store_port}
         ready = exchange(self, [Ask(init, Kind.READY, everyone, frozenset({Kind.PROGRESS}))],
                          deadline - time.monotonic(), timeout, "start()", first_error=True)
-        self.devices = [str(ready[r][0].get(Field.DEVICE)) for r in sorted(ready)]
+        if len(ready) == self.world_size:  # else a load() raised: no rank's is known
+            self.devices = [str(ready[r][0].get(Field.DEVICE)) for r in sorted(ready)]
         self.log_ready(ready)
         raise_first_error(ready)
 

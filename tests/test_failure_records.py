@@ -28,6 +28,7 @@ from sample_workers import (
     RaisesPerRank,
     Rank0RaisesOthersHang,
     Say,
+    Sleep,
 )
 
 from reactor_dist import (
@@ -101,8 +102,10 @@ def test_an_exit_is_a_record_with_its_exit_code_and_last_lines(runner_for):
 
 
 def test_the_calls_behind_the_failed_one_carry_its_records(runner_for):
-    with runner_for(KillsItselfOnRank, 2, load_kwargs={"rank": 1}) as runner:
-        first, behind = runner.submit(FAULT), runner.submit("never run")
+    with runner_for(Echo, 2) as runner:
+        # Both in flight before the death: the first runs for 30 s, unless its rank dies.
+        first, behind = runner.submit(Sleep(30)), runner.submit("never run")
+        os.kill(runner.ranks[1].pid, signal.SIGKILL)
         with pytest.raises(WorkerCrashed) as info:
             first.result()
         with pytest.raises(WorkerCrashed) as later:
@@ -255,6 +258,6 @@ def test_runner_ranks_after_a_failed_start_are_the_last_known(runner_for):
     runner = runner_for(FailsToLoadOnRank, 2, load_kwargs={"rank": 1})
     with pytest.raises(FileNotFoundError):
         runner.start()
-    assert [(i.rank, i.host, i.alive) for i in runner.ranks] == \
-        [(0, HOST, False), (1, HOST, False)]
+    assert [(i.rank, i.host, i.device, i.alive) for i in runner.ranks] == \
+        [(0, HOST, None, False), (1, HOST, None, False)]  # no device said by every rank
     assert all(isinstance(i.pid, int) for i in runner.ranks)
