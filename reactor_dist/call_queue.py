@@ -565,8 +565,8 @@ class CallQueue:
         assert self.in_flight
         head = self.in_flight[0]
         silent = [r for r in range(self.world_size) if r not in head.replies]
-        self.broken(self.supervisor.timed_out(silent, head.timeout, head.what, head.replies),
-                    head)
+        self.broken(self.supervisor.timed_out(silent, head.timeout, head.what, head.replies,
+                                              head.seq, head.method), head)
 
     # -- what arrives -----------------------------------------------------------------------
     def dispatch(self, message: tuple[dict, list]) -> None:
@@ -599,8 +599,10 @@ class CallQueue:
             # The call the dead rank was running: the first it had not answered.
             at = next((c for c in self.in_flight if not all(r in c.replies for r in dead)),
                       None)
-            what = at.what if at is not None else "an idle moment between calls"
-            self.broken(self.supervisor.crashed(dead, what), at)
+            if at is None:
+                self.broken(self.supervisor.crashed(dead, "an idle moment between calls"))
+            else:
+                self.broken(self.supervisor.crashed(dead, at.what, at.seq, at.method), at)
 
     def answered(self, call: Call) -> None:
         """Every rank answered ``call``: judge it; the next call starts its clock."""

@@ -205,7 +205,7 @@ class CallPath:
                              time.monotonic() + timeout)
         except CommandBlocked:
             raise self.supervisor.not_taken(timeout, f"{method}()'s command",
-                                           self.busy()) from None
+                                           self.busy(), seq, method) from None
         return Call(seq, method, timeout, started, time.perf_counter())
 
     def receive(self, wait_ms: int) -> tuple[dict, list] | None:
@@ -289,5 +289,9 @@ class CallPath:
             error = rebuild_exception(record, (body[0] if body else b"") or None, rank)
             if status != Status.UNDELIVERABLE:
                 status = Status.RAISED
-            outcomes.append(Outcome(status, None, error, record.type))
+            # Its record, should the judge find a desync: it just answered, so it runs.
+            failure, = self.ranks.failures([rank], self.supervisor.devices, seq=call.seq,
+                                           method=call.method, errors={rank: error},
+                                           answered=True)
+            outcomes.append(Outcome(status, None, error, record.type, failure))
         return outcomes

@@ -14,8 +14,42 @@ import errno
 import pickle
 import traceback
 import warnings
+from dataclasses import dataclass, field
 
 from .protocol import ErrorRecord
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One rank as the runner knows it: which process is which rank, and where
+    (``runner.ranks``: one per rank)."""
+
+    rank: int
+    # The process that runs the rank's code (under a launch_prefix that wraps it, not
+    # the wrapper); None: a Ray-placed rank that its host has not started yet.
+    pid: int | None
+    host: str  # the hostname of the node it runs on
+    device: str | None  # "cpu", "cuda:0", ...: None before its load() said
+    alive: bool
+
+
+@dataclass(frozen=True)
+class RankFailure(RankInfo):
+    """One rank involved in a failure (``WorkerCrashed``, ``WorkerTimeout``,
+    ``RankDesync``: their ``failures``), and the call it failed in.
+
+    It extends :class:`RankInfo` rather than making its fields optional there: a
+    failure is the rank's record at the moment it failed plus what went wrong, so its
+    fields stay flat (``failure.pid``) and code that logs or lists ranks takes either,
+    while ``runner.ranks`` carries no exit code or error that could mean nothing."""
+
+    exitcode: int | None = None  # it exited with this code (None: it did not exit)
+    signal: int | None = None  # a signal ended it: a signal.Signals where Python knows it
+    stopped: bool = False  # stopped (SIGSTOP, a debugger): it cannot answer until resumed
+    output: tuple[str, ...] = ()  # its last output lines, as the crash report shows them
+    error: BaseException | None = field(default=None, compare=False)  # what it raised
+    call_seq: int | None = None  # the failed call's number; None: outside a call (start())
+    method: str | None = None  # the failed call's method ("generate", "reset")
 
 
 class ReactorDistError(Exception):
@@ -26,25 +60,35 @@ class ReactorDistError(Exception):
 
 class WorkerCrashed(ReactorDistError, RuntimeError):
     """A rank died (its process exited, or a signal or the OOM killer ended it), and its
-    worker with it. The runner is unusable."""
+    worker with it. The runner is unusable.
+
+    ``failures``: one :class:`RankFailure` per dead rank (its exit code or signal, its
+    last lines, the call), so that an application decides without reading the text."""
+
+    failures: tuple[RankFailure, ...] = ()  # replaced per instance
 
 
 class WorkerTimeout(ReactorDistError, TimeoutError):
     """Some ranks did not answer within the timeout. The runner is unusable.
 
     When other ranks raised meanwhile, ``rank_errors`` maps each of them to its
-    exception (the first is ``__cause__``); else it is empty.  A TimeoutError is an
-    OSError: catch ReactorDistError (or WorkerTimeout) before a broad ``except OSError``."""
+    exception (the first is ``__cause__``); else it is empty.  ``failures``: a
+    :class:`RankFailure` per silent rank (``stopped`` where it is), then one per rank
+    that raised (its ``error`` set).  A TimeoutError is an OSError: catch
+    ReactorDistError (or WorkerTimeout) before a broad ``except OSError``."""
 
     rank_errors: dict[int, BaseException] = {}  # replaced per instance
+    failures: tuple[RankFailure, ...] = ()  # replaced per instance
 
 
 class RankDesync(ReactorDistError, RuntimeError):
     """Ranks disagreed on the outcome of one call. The runner is unusable.
 
-    ``rank_errors`` maps each rank that raised to its exception."""
+    ``rank_errors`` maps each rank that raised to its exception; ``failures`` has a
+    :class:`RankFailure` for each of them, its exception as ``error``."""
 
     rank_errors: dict[int, BaseException] = {}  # replaced per instance
+    failures: tuple[RankFailure, ...] = ()  # replaced per instance
 
 
 class CallQueueFull(ReactorDistError, TimeoutError):
@@ -186,6 +230,8 @@ def failed_behind(exc: BaseException, what: str, at: str | None) -> BaseExceptio
     except Exception:  # a type that takes other arguments
         error = RuntimeError(text)
     error.__cause__ = exc
+    if getattr(exc, "failures", ()):  # the records of the failure that broke the runner
+        error.failures = exc.failures  # type: ignore[attr-defined]
     return error
 
 

@@ -9,7 +9,8 @@ bootstrap on stdin, output pump, pidfd death watch) and answers the runner::
     where()        -------------------->  node id, pid, curve public key
     launch(boot)   -------------------->  spawn the rank; the client secret key is
                                           added to its bootstrap here, never sent
-    exited()       ----- blocks ------->  returns the crash report when it dies
+    exited()       ----- blocks ------->  returns the crash report, the exit status
+                                          and the last lines when it dies
     stacks()       -------------------->  SIGUSR1 -> faulthandler dump lines
     stop(grace)    -------------------->  graceful wait, then kill the group
 
@@ -121,10 +122,13 @@ class RankHost:
 
         threading.Thread(target=hold, name="reactor-dist-lifeline", daemon=True).start()
 
-    def exited(self) -> str:
-        """Blocks until the rank dies; its crash report (exit status, last lines)."""
+    def exited(self) -> tuple[str, int | None, list[str]]:
+        """Blocks until the rank dies; its crash report, its exit code (negative: the
+        signal) and the report's lines, the last two for its failure record
+        (errors.RankFailure)."""
         self.died.wait()
-        return self.ranks.crash_report([0])
+        proc = self.ranks.procs[0]
+        return proc.crash_report(), proc.poll(), proc.report_lines()
 
     def stacks(self) -> str:
         """Every thread's stack of the rank (faulthandler), as Ranks.stacks shows them."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from .errors import RankDesync
+from .errors import RankDesync, RankFailure
 from .protocol import Status
 
 
@@ -23,6 +23,7 @@ class Outcome(NamedTuple):
     value: Any = None  # rank 0's decoded result, when every rank returned
     error: BaseException | None = None  # the rank's exception, rebuilt in the caller
     error_type: str = ""  # its type's name as the rank saw it
+    failure: RankFailure | None = None  # the rank's record, when it raised (RankDesync's)
 
 
 RETURNED = Outcome(Status.OK)
@@ -63,5 +64,6 @@ def judge(method: str, outcomes: Sequence[Outcome]) -> Verdict:
             f"rank {first} raised {failed[first].error_type} in {method}() while rank "
             f"{', '.join(map(str, returned))} returned: the ranks are out of step{UNUSABLE}")
     desync.__cause__ = next(iter(errors.values()))
-    desync.rank_errors = errors  # type: ignore[attr-defined]
+    desync.rank_errors = errors
+    desync.failures = tuple(o.failure for o in failed.values() if o.failure is not None)
     return Verdict(None, desync, True)

@@ -80,19 +80,42 @@ def check_ray_options(placement: str, bundle: Any, strategy: Any) -> RaySpec | N
 
 class HostedRank:
     """The runner's handle on a rank that a RankHost runs: what Ranks asks of a
-    RankProcess (alive, crash_report, stacks), answered through Ray."""
+    RankProcess (alive, poll, crash_report, report_lines, stacks), answered through Ray."""
 
     hosted = True
 
     def __init__(self, rank: int, host: Any, node: str, address: str, host_pid: int,
-                 local: bool) -> None:
+                 local: bool, hostname: str = "") -> None:
         self.rank, self.host, self.node, self.address = rank, host, node, address
-        self.host_pid, self.local = host_pid, local
+        self.host_pid, self.local, self.hostname = host_pid, local, hostname
         self.pid = 0  # on its node, once launched
         self.report: str | None = None  # its crash report, once dead
+        self.returncode: int | None = None  # once dead, as its host saw it (None: unknown)
+        self.lines: list[str] = []  # its last lines, once dead (its host keeps them)
+
+    @property
+    def launcher_pid(self) -> int:
+        """Where its code runs (its host started it: the same pid)."""
+        return self.pid
+
+    def died(self, exited: Any) -> None:
+        """Its host's ``exited()``: the crash report, exit status and last lines."""
+        self.report, self.returncode, self.lines = exited
 
     def alive(self) -> bool:
         return self.report is None
+
+    def poll(self) -> int | None:
+        """The exit code (negative: the signal) once dead; None also where it is not
+        known (its host or Ray is gone)."""
+        return self.returncode
+
+    def stopped(self) -> bool:
+        """Not known here (its host could look): counted as running."""
+        return False
+
+    def report_lines(self) -> list[str]:
+        return list(self.lines)
 
     def crash_report(self) -> str:
         return self.report or f"rank {self.rank} (pid {self.pid}) still running"
@@ -136,6 +159,7 @@ class RayGroup:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         # Each node's address as Ray reports it (never a guess at this machine's address).
         self.addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in nodes}
+        self.hostnames = {n["NodeID"]: n.get("NodeManagerHostname", "") for n in nodes}
         self.address = self.addresses.get(self.node, "127.0.0.1")
         self.bundle = self.spec.bundle or self._default_bundle(nodes)
         self._check_feasible(nodes)
@@ -213,7 +237,8 @@ class RayGroup:
         self.ranks = [HostedRank(r, h, table.get(r, "?"), "", 0, False)
                       for r, h in enumerate(hosts)]
         wheres = self._get([h.where.remote() for h in hosts], timeout, "start the ranks' hosts")
-        self.ranks = [HostedRank(r, h, node, self.addresses[node], pid, node == self.node)
+        self.ranks = [HostedRank(r, h, node, self.addresses[node], pid, node == self.node,
+                                 self.hostnames.get(node, ""))
                       for r, (h, (node, pid, *_)) in enumerate(zip(hosts, wheres, strict=True))]
         self.keys = {r: where[2] for r, where in enumerate(wheres)}
         if self.own_gpus:  # cuda:0 must be each rank's own GPU
@@ -299,6 +324,7 @@ class RayGroup:
                                   ) from exc
         for rank, pid in zip(replaced, pids, strict=True):
             self.ranks[rank].pid, self.ranks[rank].report = pid, None
+            self.ranks[rank].returncode, self.ranks[rank].lines = None, []
         self.watch(ranks.watch.notice)
 
     def end_ranks(self) -> None:
@@ -329,7 +355,7 @@ class RayGroup:
                 for ref in done:
                     hosted = waiting.pop(ref)
                     try:
-                        hosted.report = ray.get(ref)
+                        hosted.died(ray.get(ref))
                     except Exception as exc:
                         hosted.report = (f"rank {hosted.rank} (pid {hosted.pid} on node "
                                          f"{hosted.node[:12]}): its host is gone "

@@ -25,12 +25,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import psutil
 
 from . import stacks
+from .errors import RankFailure, RankInfo
 from .output import RankOutput
 from .protocol import MARK_ENV, torchrun_env
 
@@ -44,6 +45,7 @@ SAFE_PATH: list[str] = (["-P", "-m", "reactor_dist.rank"] if sys.version_info >=
                         ["-c", "import sys; del sys.path[0]; import runpy; "
                                "runpy.run_module('reactor_dist.rank', run_name='__main__')"])
 POLL_MS = 20  # how often the watch checks ranks it has no pidfd for
+HOSTNAME = socket.gethostname()  # where the local ranks run
 log = logging.getLogger("reactor_dist")
 
 
@@ -65,6 +67,7 @@ class RankProcess:
     """One rank's subprocess and its output."""
 
     hosted = False  # a child of this process (placement.HostedRank: a Ray actor's)
+    hostname = HOSTNAME
 
     def __init__(self, rank: int, cmd: list[str], env: dict[str, str], cwd: str,
                  bootstrap: bytes, output: str = "stderr") -> None:
@@ -116,6 +119,16 @@ class RankProcess:
             hint = " (the kernel OOM killer sends this too)" if -code == signal.SIGKILL else ""
             return f"killed by {name}{hint}"
         return f"exited with code {code}"
+
+    def stopped(self) -> bool:
+        """Stopped (state T, or t under a tracer): it cannot answer until resumed."""
+        return self.alive() and stacks.stopped_note(self) is not None
+
+    def report_lines(self) -> list[str]:
+        """The lines a crash report shows (a dead rank's pipe drained first)."""
+        if not self.alive():
+            self.output.drain()
+        return self.output.report_lines()
 
     def crash_report(self) -> str:
         self.output.drain()
@@ -284,6 +297,33 @@ class Ranks:
     def crash_report(self, dead: list[int]) -> str:
         return "\n".join(self.procs[r].crash_report() for r in dead)
 
+    def infos(self, devices: Sequence[str]) -> tuple[RankInfo, ...]:
+        """Each rank's record now (``devices``: the supervisor's, once the ranks said)."""
+        return tuple(RankInfo(p.rank, p.launcher_pid or None, p.hostname,
+                              _device(devices, p.rank), p.alive()) for p in list(self.procs))
+
+    def failures(self, ranks: Sequence[int], devices: Sequence[str], *,
+                 seq: int | None = None, method: str | None = None,
+                 errors: Mapping[int, BaseException] | None = None,
+                 answered: bool = False) -> tuple[RankFailure, ...]:
+        """The records of ``ranks`` in a failure of call ``seq`` (None: outside a call),
+        each with its exception from ``errors``; ``answered``: they just replied, so
+        they run (not stopped: no look at the process state on that path)."""
+        records = []
+        for rank in ranks:
+            proc = self.procs[rank]
+            alive = proc.alive()
+            code = None if alive else proc.poll()  # None too: a Ray host's that is gone
+            died_of = -code if code is not None and code < 0 else None
+            records.append(RankFailure(
+                rank, proc.launcher_pid or None, proc.hostname, _device(devices, rank),
+                alive, exitcode=code if died_of is None else None,
+                signal=None if died_of is None else _signal(died_of),
+                stopped=alive and not answered and proc.stopped(),
+                output=tuple(proc.report_lines()), error=(errors or {}).get(rank),
+                call_seq=seq, method=method))
+        return tuple(records)
+
     def stacks(self, silent: list[int]) -> str:
         """Every thread's stack of each silent rank, or why it has none (reactor_dist.stacks),
         shown in the caller's error alone (not also forwarded)."""
@@ -306,6 +346,18 @@ class Ranks:
             wait_all_exit([p for p in procs if p not in stopped], grace)
         end_ranks(procs)
         self.procs = []
+
+
+def _device(devices: Sequence[str], rank: int) -> str | None:
+    return devices[rank] if rank < len(devices) else None
+
+
+def _signal(signum: int) -> int:
+    """A signal.Signals (its name and number) where Python knows the number."""
+    try:
+        return signal.Signals(signum)
+    except ValueError:
+        return signum
 
 
 def wait_all_exit(ranks: list[RankProcess], timeout: float) -> bool:

@@ -30,6 +30,7 @@ from typing import Any
 
 from . import aio, blocking, validation
 from .call_queue import CLOSED, HEALTHY, NEW, CallQueue
+from .errors import RankInfo
 from .observers import Observer, tell
 from .placement import check_ray_options
 from .protocol import Method
@@ -149,6 +150,13 @@ class DistributedRunner:
     def calls_in_flight(self) -> int:
         """Calls sent to the ranks and not yet answered by every rank, now."""
         return len(self._queue.in_flight)
+
+    @property
+    def ranks(self) -> tuple[RankInfo, ...]:
+        """One record per rank (rank, pid, host, device, alive), to tell which process
+        is which rank (to profile or signal one): () before start(); once the ranks
+        ended (shutdown(), a failed start() or restart()), the last known, not alive."""
+        return self._supervisor.rank_infos()
 
     @property
     def devices(self) -> tuple[str, ...]:

@@ -19,6 +19,7 @@ notice of a replaced rank is stale.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import pickle
@@ -34,6 +35,7 @@ from . import descriptors, shm, stacks, timeouts, transfer, wire
 from .bus import Bus, CommandBlocked, private_dir, reclaim_dead_ipc_dirs
 from .errors import (
     MainGuardMissing,
+    RankInfo,
     WorkerCrashed,
     WorkerTimeout,
     rebuild_exception,
@@ -110,6 +112,7 @@ class Supervisor:
         self.drop_through = 0  # shutdown() with calls in flight: the ranks skip up to it
         self.master_port = 0  # MASTER_PORT of the ranks (models that form their own group)
         self.devices: list[str] = []  # each rank's device, once started
+        self.last_ranks: tuple[RankInfo, ...] = ()  # the ranks' records when they ended
         self.load_seconds: dict[int, float] = {}  # each rank's last load() (READY)
         self.inputs = Ledger(shm_dir, self.shm_prefix, "in", keep_free=keep_free)
         self.results = Mapped(lambda name: shm.Segment.open(shm_dir, name), self._ours)
@@ -180,7 +183,8 @@ class Supervisor:
         init = {Field.KIND: Kind.INIT, Field.SEQ: 0, Field.PORT: store_port}
         ready = self.exchange([Ask(init, Kind.READY, everyone, frozenset({Kind.PROGRESS}))],
                          deadline - time.monotonic(), timeout, "start()", first_error=True)
-        self.devices = [str(ready[r][0].get(Field.DEVICE)) for r in sorted(ready)]
+        if len(ready) == self.world_size:  # else a load() raised: no rank's is known
+            self.devices = [str(ready[r][0].get(Field.DEVICE)) for r in sorted(ready)]
         self.log_ready(ready)
         raise_first_error(ready)
 
@@ -391,33 +395,60 @@ class Supervisor:
         """The ranks that have died (no system call while none has)."""
         return self.ranks.dead() if self.ranks is not None else []
 
-    def crashed(self, dead: list[int], what: str) -> WorkerCrashed:
+    def rank_infos(self) -> tuple[RankInfo, ...]:
+        """Each rank's record (runner.ranks): () before start(), the last known (not
+        alive) once the ranks ended."""
+        ranks = self.ranks
+        if ranks is None or not ranks.procs:
+            return self.last_ranks
+        return ranks.infos(self.devices)
+
+    def _ending(self) -> None:
+        """The ranks end now: keep their records, not alive, for runner.ranks."""
+        if self.ranks is not None and self.ranks.procs:
+            self.last_ranks = tuple(dataclasses.replace(info, alive=False)
+                                    for info in self.ranks.infos(self.devices))
+
+    def crashed(self, dead: list[int], what: str, seq: int | None = None,
+                method: str | None = None) -> WorkerCrashed:
+        """The WorkerCrashed of the ``dead`` ranks, their records in ``failures``;
+        ``seq``, ``method``: the call they died in (None: outside a call)."""
         assert self.ranks is not None
         error = WorkerCrashed(f"rank {', '.join(map(str, dead))} died during {what}: "
                               f"{self.ranks.crash_report(dead)}")
+        error.failures = self.ranks.failures(dead, self.devices, seq=seq, method=method)
         log.error("%s", error)
         return error
 
     def timed_out(self, silent: list[int], timeout: float | None, what: str,
-                  replies: Replies) -> WorkerTimeout:
+                  replies: Replies, seq: int | None = None,
+                  method: str | None = None) -> WorkerTimeout:
         """The WorkerTimeout of the silent ranks, with their stacks, and with the
-        exceptions of the ranks that raised meanwhile (errors.timeout_error)."""
+        exceptions of the ranks that raised meanwhile (errors.timeout_error); ``seq``,
+        ``method``: the call that timed out (None: outside a call).  ``failures``: the
+        silent ranks' records, then the raising ranks'."""
         assert self.ranks is not None
         raised = {}
         for rank, (header, body) in sorted(replies.items()):
             if header.get(Field.STATUS) == Status.RAISED:
                 raised[rank] = (ErrorRecord.parse(header.get(Field.ERROR)),
                                 (body[0] if body else b"") or None)
-        return timeout_error(f"no answer from rank {', '.join(map(str, silent))} within "
-                             f"{timeout:g} s during {what}", raised,
-                             self.ranks.stacks(silent))
+        error = timeout_error(f"no answer from rank {', '.join(map(str, silent))} within "
+                              f"{timeout:g} s during {what}", raised,
+                              self.ranks.stacks(silent))
+        error.failures = (
+            self.ranks.failures(silent, self.devices, seq=seq, method=method) +
+            self.ranks.failures(list(raised), self.devices, seq=seq, method=method,
+                                errors=error.rank_errors, answered=True))
+        return error
 
     def not_taken(self, timeout: float | None, what: str,
-                  busy: Sequence[int] = ()) -> WorkerTimeout:
+                  busy: Sequence[int] = (), seq: int | None = None,
+                  method: str | None = None) -> WorkerTimeout:
         """The WorkerTimeout of a command that no rank got within ``timeout`` because one
         rank's pipe stayed full (Bus.publish's CommandBlocked): the ranks named are the
         stopped ones, else those still running an earlier call (``busy``), else all (ZeroMQ
-        does not say whose pipe it is)."""
+        does not say whose pipe it is); their records in ``failures``."""
         assert self.ranks is not None and self.bus is not None
         stopped = [r for r, p in enumerate(self.ranks.procs)
                    if not p.hosted and stacks.stopped_note(p) is not None]
@@ -427,11 +458,14 @@ class Supervisor:
         headline = (f"{what} was sent to no rank within {timeout:g} s: a rank has not "
                     f"taken up its last {self.bus.bound} commands (rank "
                     f"{', '.join(map(str, suspects))}: {which})")
-        return timeout_error(headline, {}, self.ranks.stacks(suspects))
+        error = timeout_error(headline, {}, self.ranks.stacks(suspects))
+        error.failures = self.ranks.failures(suspects, self.devices, seq=seq, method=method)
+        return error
 
     # -- end -----------------------------------------------------------------------------
     def end_ranks(self) -> None:
         """A restart failed: every rank ends now (the bus and files stay until close())."""
+        self._ending()
         if self.ranks is not None:
             self.ranks.end(0.0)
         if self.placement is not None:
@@ -441,6 +475,7 @@ class Supervisor:
         """End every process and remove every file; safe to call in any state, twice."""
         if os.getpid() != self.owner_pid:
             return
+        self._ending()
         if self.ranks is not None:
             # Exits are expected from here on: no death notices.
             self.ranks.watch.close()

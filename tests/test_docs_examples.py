@@ -128,7 +128,8 @@ def test_streaming_example_runs_as_printed(tmp_path):
 def test_recovering_from_a_fault_example_runs_as_printed(tmp_path):
     (block,) = examples("docs/errors-and-recovery.md", "Recovering from a fault")
     assert run_block(tmp_path, block).splitlines() == [
-        "('a', 1)", "the session lost its state; tell the user, carry on", "('b', 1) 1"]
+        "('a', 1)", "rank 1 exited with code 1 in generate() (call 2): the session lost "
+        "its state", "('b', 1) 1"]
 
 
 def test_pipelining_example_runs_as_printed(tmp_path):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from reactor_dist import RankDesync
+from reactor_dist import RankDesync, RankFailure
 from reactor_dist.outcome import RETURNED, Outcome, judge
 from reactor_dist.protocol import Status
 
@@ -61,6 +61,19 @@ def test_some_raised_others_returned_is_a_desync_naming_the_first_failing_rank()
                                   "shut it down (and build a new one to go on)")
     assert verdict.error.__cause__ is error
     assert set(verdict.error.rank_errors) == {1, 3}
+
+
+def test_a_desync_carries_the_records_of_the_ranks_that_raised_in_rank_order():
+    def record(rank: int, error: BaseException) -> RankFailure:
+        return RankFailure(rank, 100 + rank, "node", "cpu", True, error=error, call_seq=7,
+                           method="generate")
+
+    one, three = ValueError("only here"), KeyError("x")
+    outcomes = [RETURNED, raised(one)._replace(failure=record(1, one)), RETURNED,
+                raised(three)._replace(failure=record(3, three))]
+    verdict = judge("generate", outcomes)
+    assert verdict.error.failures == (record(1, one), record(3, three))
+    assert [f.error for f in verdict.error.failures] == [one, three]
 
 
 def test_undeliverable_result_alone_keeps_the_runner_healthy():

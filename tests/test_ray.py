@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -328,6 +329,33 @@ def test_a_remote_rank_killed_is_reported_within_2_s(cluster):
     finally:
         runner.shutdown()
     assert wait_gone([remote["pid"], remote["host_pid"]], timeout=5) == []
+    assert nothing_reserved()
+
+
+def test_placed_ranks_records_and_a_remote_death_as_a_record(cluster):
+    """runner.ranks and a WorkerCrashed's failures for Ray-placed ranks: the pid on its
+    node (its host started it), its node's hostname (every simulated node is this
+    machine), the signal its host saw."""
+    runner = placed_runner(call_timeout=60)
+    try:
+        assert runner.ranks == ()
+        runner.start()
+        placed = Probe(runner).placed
+        assert [(i.rank, i.pid, i.host, i.device, i.alive) for i in runner.ranks] == \
+            [(r, placed[r]["pid"], socket.gethostname(), "cpu", True) for r in range(2)]
+        assert not placed[1]["local"]
+        os.kill(placed[1]["pid"], signal.SIGKILL)
+        with pytest.raises(WorkerCrashed, match=r"rank 1 .*SIGKILL") as info:
+            runner.generate(Sleep(30))
+        (failure,) = info.value.failures
+        assert (failure.rank, failure.pid, failure.host, failure.alive) == \
+            (1, placed[1]["pid"], socket.gethostname(), False)
+        assert (failure.signal, failure.exitcode) == (signal.SIGKILL, None)
+        assert (failure.call_seq, failure.method) == (1, "generate")
+        assert [i.alive for i in runner.ranks] == [True, False]
+    finally:
+        runner.shutdown()
+    assert [(i.pid, i.alive) for i in runner.ranks] == [(p["pid"], False) for p in placed]
     assert nothing_reserved()
 
 
