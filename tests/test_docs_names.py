@@ -50,8 +50,7 @@ How a name reference resolves, first rule that applies:
    ``"reactor_dist.x"`` or as ``f"reactor_dist.{name}"`` with ``x`` a method of
    DistributedRunner.
 
-ALLOWED lists the few true exceptions, each with its reason; PENDING_REWRITE the names of
-pages being rewritten (each must still fail, so that it leaves the list when fixed).
+ALLOWED lists the few true exceptions, each with its reason.
 """
 
 from __future__ import annotations
@@ -92,15 +91,6 @@ ALLOWED: dict[str, str] = {
     "quickstart.py": "the file the Quickstart tells the reader to save its example in",
     "error.type": "OpenTelemetry's attribute for a failed span's error class (set in "
                   "tracing.py), not a Python name",
-}
-# issue 30: the design pages of the call queue are being rewritten (docs/design/calls.md
-# and the call-queue part of docs/design/index.md): the stale names they cite, by page.
-# Remove an entry when its page is rewritten; an entry that resolves, or that its page no
-# longer writes, fails the test.
-PENDING_REWRITE: dict[str, frozenset[str]] = {
-    # the error contract's "decided by" column: today CallQueue.dispatch, CallPath.send,
-    # Receiver.expire
-    "docs/design/index.md": frozenset({"Supervisor.collect", "Supervisor.call"}),
 }
 
 SPAN = re.compile(r"(?<!`)(`+)(?!`)((?:(?!\n[ \t]*\n).)+?)(?<!`)\1(?!`)", re.S)
@@ -326,8 +316,6 @@ def unresolved(code: str) -> str | None:
 def problems(found: list[Span]) -> list[str]:
     out = []
     for span in found:
-        if span.code in PENDING_REWRITE.get(span.page, ()):
-            continue
         why = unresolved(span.code)
         if why is not None:
             out.append(f"{span.page}:{span.line}: `{span.code}`: {why}")
@@ -344,13 +332,6 @@ def all_spans() -> list[Span]:
 
 def test_every_name_in_backticks_on_every_page_is_in_the_code():
     assert problems(all_spans()) == []
-
-
-def test_pending_rewrite_holds_only_names_that_still_fail_on_their_page():
-    written = {(s.page, s.code) for s in all_spans()}
-    stale = [f"{page}: `{code}`" for page, codes in PENDING_REWRITE.items() for code in codes
-             if (page, code) not in written or unresolved(code) is None]
-    assert stale == []
 
 
 def test_allowed_holds_only_spans_the_pages_write_and_the_rules_reject():
