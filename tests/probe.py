@@ -32,6 +32,12 @@ def marked_by(runner_pid: int) -> list[psutil.Process]:
 class Probe:
     def __init__(self, runner: DistributedRunner) -> None:
         self._supervisor = runner._supervisor
+        self._queue = runner._queue
+
+    @property
+    def call_queue(self):
+        """The runner's call queue (reactor_dist.call_queue.CallQueue): its state machine."""
+        return self._queue
 
     @property
     def rank_pids(self) -> list[int]:

@@ -13,8 +13,8 @@ from reactor_dist.outcome import RETURNED, Outcome, judge
 from reactor_dist.protocol import Status
 
 
-def raised(exc: BaseException) -> Outcome:
-    return Outcome(Status.RAISED, None, exc, type(exc).__name__)
+def raised(exc: BaseException, failure: RankFailure | None = None) -> Outcome:
+    return Outcome(Status.RAISED, None, exc, type(exc).__name__, failure)
 
 
 def test_every_rank_returned_gives_rank_0s_value():
@@ -69,8 +69,8 @@ def test_a_desync_carries_the_records_of_the_ranks_that_raised_in_rank_order():
                            method="generate")
 
     one, three = ValueError("only here"), KeyError("x")
-    outcomes = [RETURNED, raised(one)._replace(failure=record(1, one)), RETURNED,
-                raised(three)._replace(failure=record(3, three))]
+    outcomes = [RETURNED, raised(one, record(1, one)), RETURNED,
+                raised(three, record(3, three))]
     verdict = judge("generate", outcomes)
     assert verdict.error.failures == (record(1, one), record(3, three))
     assert [f.error for f in verdict.error.failures] == [one, three]

@@ -227,7 +227,7 @@ def test_an_interrupt_anywhere_in_restart_leaves_a_runner_that_restarts_and_shut
 
 def test_an_illegal_move_is_a_bug_that_raises():
     runner = DistributedRunner(Reduces, world_size=1, device="cpu")
-    queue = runner._queue
+    queue = Probe(runner).call_queue
     assert State.RESTARTING not in MOVES[State.NEW]
     with pytest.raises(RuntimeError, match="cannot move from new to restarting"):
         queue.move(State.RESTARTING)
