@@ -513,6 +513,8 @@ class CallQueue:
         assert path is not None and not self.receiving
         if self.left:
             self.take_left()
+        if self.answered_due:  # tasks receive only here: the retry must not wait for a thread
+            self.tell_answered()
         path.memory.flush()
         got = False
         bus = path.bus
