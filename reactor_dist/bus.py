@@ -13,10 +13,10 @@ a rank's pipe at its bound (``SNDHWM``, :data:`~reactor_dist.protocol.SEND_BOUND
 makes a send fail with EAGAIN instead of losing the message for that rank (a plain PUB
 drops it silently).  libzmq checks the bound at a message's first frame only (a
 message's later frames never fail), and then for every rank: a command reaches every
-rank or none.  :meth:`Bus.try_publish` tries once; :meth:`Bus.publish` retries until
-its deadline (POLLOUT means nothing on an XPUB: ZeroMQ says "writable" whatever the
-pipes hold, so it sleeps between tries).  Which command does what at the bound is
-told in docs/design/wire.md ("No command is lost").
+rank or none.  :meth:`Bus.publish` does at the bound what the command kind's row of
+``protocol.COMMANDS`` says: one try, or tries until a deadline (POLLOUT means nothing
+on an XPUB: ZeroMQ says "writable" whatever the pipes hold, so it sleeps between
+tries).  docs/design/wire.md ("No command is lost") tells the table.
 """
 
 from __future__ import annotations
@@ -39,10 +39,12 @@ import zmq
 
 from . import shm, timeouts, wire
 from .protocol import (
+    COMMANDS,
     IPC_DIR_PREFIX,
     OWNER_LOCK,
     SEND_BOUND_DEFAULT,
     SEND_BOUND_ENV,
+    Delivery,
     Field,
     Kind,
     ipc_dir_owner,
@@ -187,18 +189,26 @@ class Bus:
         return addresses[0], addresses[1], public
 
     def publish(self, header: dict[str, Any], body: list | tuple = (),
-                deadline: float | None = None) -> None:
-        """Send one command to every rank; while a rank's pipe is at its bound, try again
-        until ``deadline`` (time.monotonic(); None: no limit), then CommandBlocked (the
-        command went to no rank).  Any thread may publish (see reactor_dist.releaser)."""
+                deadline: float | None = None) -> bool:
+        """Send one command to every rank, as its kind's row of ``protocol.COMMANDS``
+        says: True when sent.  At a rank's full pipe a ``Delivery.DEADLINE`` kind is tried
+        again until ``deadline`` (time.monotonic(); None: no limit; the past: one try),
+        then raises CommandBlocked (the command went to no rank); any other kind is tried
+        once, and False says that it went to no rank (its sender tries again later).
+        Any thread may publish (see reactor_dist.releaser)."""
+        patient = COMMANDS[header[Field.KIND]].delivery is Delivery.DEADLINE
+        if deadline is not None and not patient:
+            raise ValueError(f"a {header[Field.KIND]} command is tried once: no deadline")
         with self.pub_lock:  # the packer's buffer too is one per channel
             frames = self._pack(header, body)
         pause = RETRY_FIRST
         while True:
             with self.pub_lock:
                 if self._send(frames):
-                    return
+                    return True
                 self._drop_subscriptions()
+            if not patient:
+                return False
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise CommandBlocked(
@@ -206,12 +216,6 @@ class Bus:
                     f"{self.bound} commands it has not taken up ({SEND_BOUND_ENV})")
             time.sleep(pause if left is None else min(pause, left))
             pause = min(pause * 2, RETRY_MOST)
-
-    def try_publish(self, header: dict[str, Any], body: list | tuple = ()) -> bool:
-        """Send one command to every rank if no rank's pipe is at its bound: True when
-        sent, False when sent to none (try again later)."""
-        with self.pub_lock:
-            return self._send(self._pack(header, body))
 
     def _pack(self, header: dict[str, Any], body: list | tuple) -> list[Any]:
         header[Field.RANK] = -1

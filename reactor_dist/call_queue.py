@@ -639,7 +639,7 @@ class CallQueue:
         """Under the lock: Kind.ANSWERED for ``answered_due``; a full pipe keeps it due,
         tried again at the next receive (a rank that is behind reads it in turn)."""
         assert self.path is not None
-        if self.path.bus.try_publish({Field.KIND: Kind.ANSWERED, Field.SEQ: self.answered_due}):
+        if self.path.bus.publish({Field.KIND: Kind.ANSWERED, Field.SEQ: self.answered_due}):
             self.answered_due = 0
 
     def _settle(self, call: Call, value: Any, error: BaseException | None,

@@ -90,6 +90,7 @@ which later runners parse to reclaim what a killed runner left.
 
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 from dataclasses import dataclass, field
@@ -163,13 +164,51 @@ class Kind:
     RECLAIMED, STARVED, TRIMMED = "reclaimed", "starved", "trimmed"  # one rank -> runner
     PROGRESS = "progress"  # one rank -> runner, during start()
     DEATH = "death"  # the runner's death watch -> its own PULL socket
-    COMMANDS = frozenset({PING, INIT, CALL, SHUTDOWN, RELEASE, RECLAIM, DROP, REJOIN,
-                          ANSWERED})
-    MEMORY = frozenset({RELEASE, RECLAIM})  # a rank applies these also during a call
     REPLIES = frozenset({PONG, READY, REPLY, ITEM, PROGRESS, RECLAIMED, STARVED, TRIMMED,
                          REJOINED})
-    ALL = COMMANDS | REPLIES | {DEATH}
     TO_RUNNER = REPLIES | {DEATH}  # what the runner's PULL socket accepts
+    COMMANDS: frozenset[str]  # the keys of COMMANDS (below)
+    READ_AHEAD: frozenset[str]  # the commands a rank applies as it reads them
+    ALL: frozenset[str]
+
+
+class Delivery(enum.Enum):
+    """What the runner does when a command meets a rank's pipe at its bound (the
+    command then reaches no rank: XPUB_NODROP); :meth:`reactor_dist.bus.Bus.publish`
+    reads it from :data:`COMMANDS`, and so does the start-up exchange."""
+
+    BEAT = "on a beat until answered"  # one try; the exchange sends it again PING_EVERY
+    DEADLINE = "until a deadline"  # tried again until the sender's deadline, then
+    #                                CommandBlocked (the sender's error, or its fallback)
+    REQUEUED = "re-queued"  # one try; what it carries goes back to its sender, and a
+    #                         later try (the sender's next wait, or next message) takes it
+
+
+class Command(NamedTuple):
+    """How one command kind travels: its delivery at the bound, and whether a rank
+    applies it as it reads it (also in the middle of a call: ``read_ahead``) or in the
+    order of its loop."""
+
+    delivery: Delivery
+    read_ahead: bool = False
+
+
+# Every command kind and how it travels; a new kind is a row here (see
+# docs/design/wire.md, "A new command kind").
+COMMANDS: dict[str, Command] = {
+    Kind.PING: Command(Delivery.BEAT),
+    Kind.INIT: Command(Delivery.BEAT),  # a repeat gets the same READY, load() runs once
+    Kind.REJOIN: Command(Delivery.BEAT),  # likewise, the same REJOINED
+    Kind.CALL: Command(Delivery.DEADLINE),  # the call's timeout: WorkerTimeout
+    Kind.SHUTDOWN: Command(Delivery.DEADLINE),  # shutdown_grace: then SIGTERM, SIGKILL
+    Kind.DROP: Command(Delivery.DEADLINE, read_ahead=True),  # restart(): one try
+    Kind.RECLAIM: Command(Delivery.DEADLINE, read_ahead=True),  # the allocation fails
+    Kind.RELEASE: Command(Delivery.REQUEUED, read_ahead=True),
+    Kind.ANSWERED: Command(Delivery.REQUEUED, read_ahead=True),
+}
+Kind.COMMANDS = frozenset(COMMANDS)
+Kind.READ_AHEAD = frozenset(kind for kind, command in COMMANDS.items() if command.read_ahead)
+Kind.ALL = Kind.COMMANDS | Kind.REPLIES | {Kind.DEATH}
 
 
 class Status:

@@ -45,7 +45,9 @@ Message = tuple[dict[str, Any], list]
 
 
 class Inbox:
-    """The rank's commands in the order sent; memory commands are applied as read."""
+    """The rank's commands in the order sent; the read-ahead ones (``Kind.READ_AHEAD``:
+    shared memory back, DROP, ANSWERED) are applied as read, also in the middle of a
+    call; the loop only wakes for them."""
 
     def __init__(self, channel: wire.Channel, sub: zmq.Socket,
                  on_memory: Callable[[dict[str, Any]], None]) -> None:
@@ -59,8 +61,8 @@ class Inbox:
         self.answered = 0  # every rank answered the calls up to this SEQ (Kind.ANSWERED)
 
     def next(self, timeout_ms: int = -1) -> Message | None:
-        """The next command for the rank's loop (a memory command comes already
-        applied); None when ``timeout_ms`` passed first."""
+        """The next command for the rank's loop; a read-ahead one comes already applied
+        (the loop only wakes for it); None when ``timeout_ms`` passed first."""
         if self.backlog:
             return self.backlog.popleft()
         while True:
@@ -71,23 +73,23 @@ class Inbox:
                 return message
 
     def drain(self) -> None:
-        """Apply the memory commands that have arrived; keep the others for later.
+        """Apply the read-ahead commands that have arrived; keep the others for later.
         (ZeroMQ's EVENTS says whether a message is there: cheaper than a poll, which
         builds a Poller each time; this runs before every call.)"""
         while self.events() & POLLIN:
             message = self._read()
-            if message is not None and message[0][Field.KIND] not in Kind.MEMORY:
+            if message is not None and message[0][Field.KIND] not in Kind.READ_AHEAD:
                 self.backlog.append(message)
                 if message[0][Field.KIND] == Kind.SHUTDOWN:
                     self.stopping = True
 
     def wait_for(self, done: Callable[[], bool]) -> None:
-        """Read commands until ``done()`` (checked after each memory command) or a
+        """Read commands until ``done()`` (checked after each read-ahead one) or a
         SHUTDOWN arrives.  No deadline of its own: the runner answers whenever it reads
         its socket, and if it dies, the death watch ends this process."""
         while not done() and not self.stopping:
             message = self._read()
-            if message is not None and message[0][Field.KIND] not in Kind.MEMORY:
+            if message is not None and message[0][Field.KIND] not in Kind.READ_AHEAD:
                 self.backlog.append(message)
                 self.stopping = self.stopping or message[0][Field.KIND] == Kind.SHUTDOWN
 
@@ -99,12 +101,13 @@ class Inbox:
             if self.rejected <= 3:  # say it, but never flood the log
                 log.warning("reactor-dist: rejected a message: %s", exc)
             return None
-        if header[Field.KIND] in Kind.MEMORY:
-            self.on_memory(header)
-        elif header[Field.KIND] == Kind.DROP:  # applied here, as read; the loop skips it
+        kind = header[Field.KIND]
+        if kind == Kind.DROP:
             self.dropped = max(self.dropped, header[Field.SEQ])
-        elif header[Field.KIND] == Kind.ANSWERED:  # likewise: held calls may go
+        elif kind == Kind.ANSWERED:  # held calls may go
             self.answered = max(self.answered, header[Field.SEQ])
+        elif kind == Kind.RELEASE or kind == Kind.RECLAIM:
+            self.on_memory(header)
         return header, body
 
     def over(self, seq: int) -> bool:

@@ -54,7 +54,7 @@ class MemoryReturn:
             return
         sent = False
         try:  # a rank's full pipe: the next message carries them (never a wait here)
-            sent = self.bus.try_publish({Field.KIND: Kind.RELEASE, Field.SEQ: self.seq(),
+            sent = self.bus.publish({Field.KIND: Kind.RELEASE, Field.SEQ: self.seq(),
                                          Field.RELEASED: released})
         finally:
             if not sent:
@@ -69,7 +69,7 @@ class MemoryReturn:
         self.hungry = starved.get(Field.ROUND)
         retired = self.inputs.retire_idle()
         released = self.results.take_released()
-        if self.bus.try_publish({Field.KIND: Kind.RELEASE, Field.SEQ: self.seq(),
+        if self.bus.publish({Field.KIND: Kind.RELEASE, Field.SEQ: self.seq(),
                                  Field.ROUND: self.hungry, Field.RELEASED: released,
                                  Field.RETIRED: retired}):
             self.hungry = None

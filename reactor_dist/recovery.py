@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from . import timeouts
+from .bus import CommandBlocked
 from .errors import WorkerTimeout
 from .protocol import Field, Kind
 from .supervisor import Ask, Supervisor, raise_first_error
@@ -52,7 +53,11 @@ def restart(supervisor: Supervisor, *, rejoin: bool, grace: float, timeout: floa
     assert bus is not None and ranks is not None
     # A rank's full pipe refuses the DROP to every rank (XPUB_NODROP: all or none): then
     # no rank may keep its model, since a kept rank would run the failed calls first.
-    dropped = bus.try_publish({Field.KIND: Kind.DROP, Field.SEQ: last_seq})
+    try:  # one try: no time of the restart's goes to a stopped rank's pipe
+        dropped = bus.publish({Field.KIND: Kind.DROP, Field.SEQ: last_seq},
+                              deadline=time.monotonic())
+    except CommandBlocked:
+        dropped = False
     supervisor.new_epoch()  # deaths from here on are this restart's business
     alive = [r for r, proc in enumerate(ranks.procs) if proc.alive()]
     kept = responsive(supervisor, alive, min(grace, max(deadline - began, 0.0)), other) \

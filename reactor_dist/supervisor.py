@@ -11,7 +11,9 @@ restart()'s with replaced and kept ranks, :mod:`reactor_dist.recovery`) send the
 commands on a fixed beat (PING_EVERY), whatever arrives meanwhile, each until every
 rank it is for has answered it or acknowledged it: a PUB/SUB subscriber that has just
 connected may miss a command (the slow joiner), and a command that meets a full pipe
-is simply tried again at the next beat (``Bus.try_publish``), so none is ever lost.  A
+is simply tried again at the next beat, so none is ever lost.  Those are the commands
+whose delivery is ``Delivery.BEAT`` in ``protocol.COMMANDS``: the exchange sends
+no other kind.  A
 death of the current generation of ranks ends the exchange with WorkerCrashed; a
 notice of a replaced rank is stale.
 """
@@ -46,10 +48,12 @@ from .placement import RayGroup, RaySpec
 from .processes import Ranks, end_ranks, free_port
 from .progress import Display
 from .protocol import (
+    COMMANDS,
     MAX_FRAME_ENV,
     MAX_MESSAGE_ENV,
     SECRET_SIZE,
     Bootstrap,
+    Delivery,
     ErrorRecord,
     Field,
     Kind,
@@ -200,6 +204,9 @@ class Supervisor:
         ``other`` sees every other message.  An ask with an empty command only waits."""
         bus = self.bus
         assert bus is not None and self.ranks is not None
+        for ask in asks:
+            if ask.command and COMMANDS[ask.command[Field.KIND]].delivery is not Delivery.BEAT:
+                raise ValueError(f"a {ask.command[Field.KIND]} command is not sent on a beat")
         asked = {rank: ask for ask in asks for rank in ask.ranks}
         replies: Replies = {}
         heard: set[int] = set()  # ranks that have their command
@@ -382,12 +389,13 @@ class Supervisor:
                          gpus=self._gpus, launch_prefix=self._launch_prefix)
 
     def publish_start_command(self, header: dict[str, Any]) -> None:
-        """One try at PING or INIT (counted when sent); a full pipe waits for the next beat."""
+        """One try at PING, INIT or REJOIN (PING and INIT counted when sent); a full pipe
+        waits for the next beat."""
         assert self.bus is not None
-        if self.bus.try_publish(header):
+        if self.bus.publish(header):
             if header[Field.KIND] == Kind.PING:
                 self.pings_sent += 1
-            else:
+            elif header[Field.KIND] == Kind.INIT:
                 self.inits_sent += 1
 
     # -- failures ------------------------------------------------------------------------

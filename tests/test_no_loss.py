@@ -26,7 +26,7 @@ from probe import Probe
 
 from reactor_dist import DistributedRunner, WorkerTimeout
 from reactor_dist.bus import Bus, CommandBlocked, private_dir
-from reactor_dist.protocol import SEND_BOUND_ENV, Field, Kind, Status
+from reactor_dist.protocol import COMMANDS, SEND_BOUND_ENV, Delivery, Field, Kind, Status
 
 BIG = 4 << 20  # bigger than a Unix socket's send buffer: one such message fills it
 
@@ -77,8 +77,10 @@ def call(seq: int) -> tuple[dict, list]:
 
 def test_a_stopped_subscriber_gets_every_command_in_order(monkeypatch):
     """Publishing past the bound to a stopped subscriber: a deadline passes with
-    CommandBlocked (sent to nobody), try_publish says False, and once the subscriber
-    runs again it has every command exactly once, in order."""
+    CommandBlocked (sent to nobody); each kind then does what its row of
+    protocol.COMMANDS says (a deadline kind raises at once with no time left, the one-try
+    kinds say False); and once the subscriber runs again it has every CALL exactly once,
+    in order."""
     monkeypatch.setenv(SEND_BOUND_ENV, "2")
     secret = os.urandom(32)
     ipc, lock = private_dir()
@@ -89,7 +91,7 @@ def test_a_stopped_subscriber_gets_every_command_in_order(monkeypatch):
         deadline = time.monotonic() + 30
         pong = None
         while pong is None and time.monotonic() < deadline:  # PUB/SUB's slow joiner
-            bus.try_publish({Field.KIND: Kind.PING, Field.SEQ: 0})
+            bus.publish({Field.KIND: Kind.PING, Field.SEQ: 0})
             pong = bus.receive(20)
         assert pong is not None and pong[0][Field.KIND] == Kind.PONG
         stop(peer.pid)
@@ -101,7 +103,11 @@ def test_a_stopped_subscriber_gets_every_command_in_order(monkeypatch):
             except CommandBlocked:  # sent to nobody: the same command is sent again below
                 blocked = True
         assert blocked, f"{sent} commands past the bound were all taken: some were dropped"
-        assert not bus.try_publish(*call(sent + 1))
+        with pytest.raises(CommandBlocked):
+            bus.publish(*call(sent + 1), deadline=time.monotonic())
+        for kind, delivery in sorted(COMMANDS.items()):
+            if delivery.delivery is not Delivery.DEADLINE:  # one try, whatever the kind
+                assert bus.publish({Field.KIND: kind, Field.SEQ: sent + 1}) is False, kind
         os.kill(peer.pid, signal.SIGCONT)
         total = sent + 10
         for seq in range(sent + 1, total + 1):
@@ -136,7 +142,7 @@ def test_start_and_calls_complete_past_the_bound_of_a_stopped_rank(monkeypatch):
         try:
             fill_the_stopped_ranks_pipe(runner)
             # Rank 1's pipe is full now: a command would be refused (a PING is harmless).
-            assert not Probe(runner).bus.try_publish({Field.KIND: Kind.PING, Field.SEQ: 0})
+            assert not Probe(runner).bus.publish({Field.KIND: Kind.PING, Field.SEQ: 0})
             resume.start()
             assert runner.generate(bytes(BIG) + b"!") == BIG + 1
             assert runner.generate(b"after") == 5
@@ -182,8 +188,7 @@ def test_a_repeated_init_answers_ready_again_without_a_second_load(log_dir):
                                init_process_group=False, load_kwargs={"log_dir": log_dir})
     with runner:
         bus = Probe(runner).bus
-        bus.publish({Field.KIND: Kind.INIT, Field.SEQ: 0, Field.PORT: 0},
-                    deadline=time.monotonic() + 30)
+        assert bus.publish({Field.KIND: Kind.INIT, Field.SEQ: 0, Field.PORT: 0})  # one try
         ready: dict[int, dict] = {}
         deadline = time.monotonic() + 30
         while len(ready) < 2 and time.monotonic() < deadline:
