@@ -34,8 +34,8 @@ starts the next one only once every rank answered it (Kind.ANSWERED), so that no
 collective of one call pairs with another's.  A crash, a timeout or a desync breaks
 the runner: that call and every call behind it fail with that type of error (their
 messages name the call that broke it); a call whose every rank raised the same type
-fails alone.  A call nobody waits for any more ("left": Ctrl-C, a cancelled task, a
-stream left early) stays in flight until the ranks answer it; its answer is
+fails alone.  A call that is left (nobody takes its answer any more: Ctrl-C, a cancelled task,
+a stream closed early) stays in flight until the ranks answer it; its answer is
 discarded.  While the runner restarts, every call form waits for the end (at most its
 ``queue_timeout``), a caller that was already waiting for its turn included.
 
@@ -44,7 +44,7 @@ receives (``receiving``) and dispatches each message to its call by sequence num
 the others wait on a condition (threads) or a :class:`Waker` (tasks) that every
 dispatch wakes.  A thread blocks in ZeroMQ with the lock released; a task only takes
 what has arrived and then awaits the socket's descriptor, so the loop never blocks.
-When calls are in flight that nobody waits for, the collector thread receives for
+When calls are in flight that no caller is watching, the collector thread receives for
 them, so that futures settle, crashes are reported and left answers go back at once.
 Only a receiver that found nothing more to read declares a deadline passed.
 
@@ -124,7 +124,7 @@ class Waker:
         if threading.get_ident() == self.thread:
             self.set()
         else:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody can take it
                 self.loop.call_soon_threadsafe(self.set)
 
     def set(self) -> None:
@@ -166,7 +166,7 @@ class CallQueue:
         self.by_seq: dict[int, Call] = {}
         self.turns: collections.deque[object] = collections.deque()  # callers waiting to send
         self.settled: collections.deque[Call] = collections.deque()  # futures to settle
-        self.left: collections.deque[Call] = collections.deque()  # leave_soon()'s
+        self.leaving: collections.deque[Call] = collections.deque()  # leave_soon()'s
         self.answered_due = 0  # a Kind.ANSWERED not yet sent (a rank's pipe was full)
         self.observers: tuple[Observer, ...] = ()  # metrics, traces (observers.py)
         self.receiving = False  # a caller owns the reply socket now
@@ -433,7 +433,7 @@ class CallQueue:
     def leave(self, call: Call) -> None:
         """Nobody takes ``call``'s value or items any more: the ranks still finish it,
         and what it brings goes back unread."""
-        call.abandoned = True
+        call.left = True
         call.items.clear()
         call.watchers = 0
         if not call.done:
@@ -449,11 +449,11 @@ class CallQueue:
             finally:
                 self.lock.release()
         else:
-            self.left.append(call)
+            self.leaving.append(call)
 
-    def take_left(self) -> None:
-        while self.left:
-            self.leave(self.left.popleft())
+    def take_leaving(self) -> None:
+        while self.leaving:
+            self.leave(self.leaving.popleft())
 
     # -- receiving (threads) ----------------------------------------------------------------
     def pump(self, satisfied: Callable[[], bool], give_up: float | None = None) -> bool:
@@ -472,8 +472,8 @@ class CallQueue:
     def serve(self, now: float, give_up: float | None) -> None:
         """As the receiver: one message (waiting until the next deadline or ``give_up``);
         a passed deadline with nothing left to read breaks the runner."""
-        if self.left:
-            self.take_left()
+        if self.leaving:
+            self.take_leaving()
         if self.answered_due:
             self.tell_answered()
         due = self.next_deadline()
@@ -511,8 +511,8 @@ class CallQueue:
         """Without waiting: dispatch what has arrived (True if anything did)."""
         path = self.path
         assert path is not None and not self.receiving
-        if self.left:
-            self.take_left()
+        if self.leaving:
+            self.take_leaving()
         if self.answered_due:  # tasks receive only here: the retry must not wait for a thread
             self.tell_answered()
         path.memory.flush()
@@ -616,7 +616,7 @@ class CallQueue:
         assert self.path is not None
         answered = perf_counter()
         verdict = judge(call.method, self.path.outcomes(call))
-        if (self.timings.enabled or self.observers) and not call.abandoned:
+        if (self.timings.enabled or self.observers) and not call.left:
             times = (call.started, call.sent, answered, perf_counter())
             compute = compute_seconds(call, self.world_size)
             waits = call.collective_wait = collective_wait_seconds(call, self.world_size)
@@ -644,7 +644,7 @@ class CallQueue:
 
     def _settle(self, call: Call, value: Any, error: BaseException | None,
                 outcome: str) -> None:
-        if call.abandoned:
+        if call.left:
             value, outcome = None, CANCELLED  # nobody takes it: its memory goes back
         call.settle(value, error)
         if self.observers:
@@ -674,7 +674,7 @@ class CallQueue:
         return any(call.watchers <= 0 for call in self.in_flight)
 
     def want_collector(self) -> None:
-        """Under the lock: a call in flight has nobody waiting for it."""
+        """Under the lock: a call in flight has no caller watching it."""
         if self.collector is None:
             self.collector = threading.Thread(target=self.collect, daemon=True,
                                               name="reactor-dist-collector")

@@ -43,7 +43,7 @@ class Call:
     """One call sent to the ranks: its replies so far, rank 0's items not yet taken, and
     when it is answered, its value or error.  Owned by the call queue's lock."""
 
-    __slots__ = ("seq", "method", "timeout", "what", "replies", "items", "abandoned",
+    __slots__ = ("seq", "method", "timeout", "what", "replies", "items", "left",
                  "generator", "started", "sent", "deadline", "watchers",
                  "done", "value", "error", "future", "itemized", "times", "compute",
                  "collective_wait", "tags", "stream")
@@ -55,7 +55,7 @@ class Call:
         self.what = f"{method}() (call {seq})"
         self.replies: Replies = {}
         self.items: collections.deque[Any] = collections.deque()
-        self.abandoned = False  # nobody takes its value or items any more
+        self.left = False  # nobody takes its value or items any more (the glossary's "left")
         self.generator = False  # rank 0's generate() was a generator (known at the end)
         self.stream = False  # sent by stream()/astream(): its items are handed over as
         # they come (traces name its span reactor_dist.stream)
@@ -233,13 +233,13 @@ class CallPath:
 
     def take_item(self, call: Call, header: dict[str, Any], body: list) -> None:
         """Rank 0's next item of ``call``: decoded now, or handed back unread."""
-        if call.abandoned:
+        if call.left:
             self.discard(header)
         else:
             call.items.append(self.decode_item(header, body))
 
     def discard(self, header: dict[str, Any]) -> None:
-        """A message nobody will read (an abandoned call's, a failed call's): its result
+        """A message nobody will read (a left call's, a failed call's): its result
         segments go back to rank 0 unmapped."""
         self.results.release(segments_of(header.get(Field.DESCRIPTORS)))
 
@@ -261,7 +261,7 @@ class CallPath:
             if call.method != Method.GENERATE:
                 return [RETURNED] * self.world_size
             header, body = replies[0]
-            if call.abandoned:
+            if call.left:
                 self.discard(header)
                 return [RETURNED] * self.world_size
             try:

@@ -13,7 +13,7 @@ A stream is one call in the call queue (:mod:`reactor_dist.call_queue`): calls m
 be sent behind it while it is open, and its items keep arriving (into the stream)
 while another caller receives.  Leaving early (``break``, :meth:`Stream.close`, the
 iterator collected) never blocks: the step runs to its end on every rank anyway
-(collectives cannot be abandoned halfway) and counts as in flight until then; its
+(collectives cannot be left halfway) and counts as in flight until then; its
 remaining items' segments go back unread.  A Ctrl-C inside ``next()`` ends the
 stream like an interrupted ``generate()``.
 

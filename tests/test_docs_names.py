@@ -61,6 +61,7 @@ import functools
 import importlib
 import inspect
 import os
+import pathlib
 import pkgutil
 import re
 import sys
@@ -386,3 +387,19 @@ def test_the_checker_finds_the_bad_names_of_a_page_and_only_those():
 @pytest.mark.parametrize("code", sorted(ALLOWED))
 def test_each_allowed_span_says_why(code):
     assert len(ALLOWED[code]) > 20
+
+
+# The glossary (docs/design/index.md) gives one word per concept; these are its
+# rejected synonyms for a call that nobody takes any more ("left").
+REJECTED = re.compile(r"\babandon\w*|\bnobody waits\b|\bunattended\b", re.I)
+
+
+def test_one_word_for_a_call_nobody_takes():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    found = []
+    for path in [*sorted((root / "reactor_dist").glob("*.py")),
+                 *sorted((root / "docs").rglob("*.md")), root / "README.md"]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if REJECTED.search(line) and "Words not used for it" not in line:
+                found.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
+    assert found == []

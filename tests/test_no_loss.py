@@ -128,7 +128,7 @@ def test_a_stopped_subscriber_gets_every_command_in_order(monkeypatch):
 
 def test_start_and_calls_complete_past_the_bound_of_a_stopped_rank(monkeypatch):
     """A bound of 1 command: start-up's pings and INIT meet full pipes and are tried
-    again at their pace; then rank 1 stops while two big calls are abandoned (their
+    again at their pace; then rank 1 stops while two big calls are left (their
     tasks cancelled), so the third call finds rank 1's pipe full: it waits for room
     instead of being dropped, and returns once rank 1 runs again."""
     monkeypatch.setenv(SEND_BOUND_ENV, "1")
@@ -153,14 +153,14 @@ def test_start_and_calls_complete_past_the_bound_of_a_stopped_rank(monkeypatch):
 
 
 def fill_the_stopped_ranks_pipe(runner: DistributedRunner) -> None:
-    """Two calls of 4 MiB in-band each, abandoned (their tasks cancelled): the stopped
+    """Two calls of 4 MiB in-band each, left (their tasks cancelled): the stopped
     rank's socket buffer and its pipe (bound 1) are full."""
-    async def abandon_two() -> None:
+    async def leave_two() -> None:
         for _ in range(2):
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(runner.agenerate(bytes(BIG)), 0.3)
 
-    asyncio.run(abandon_two())
+    asyncio.run(leave_two())
 
 
 def test_a_call_that_cannot_be_handed_over_names_the_stopped_rank(monkeypatch):
