@@ -72,7 +72,7 @@ from . import timeouts
 from .calls import Call, CallPath, collective_wait_seconds, compute_seconds
 from .errors import CallQueueFull, WorkerCrashed, WorkerTimeout, failed_behind, queue_full
 from .observers import CANCELLED, CRASHED, DESYNC, OK, RAISED, TIMED_OUT, Observer, tell
-from .outcome import judge
+from .outcome import UNUSABLE_ENDING, judge
 from .protocol import Field, Kind, Status
 from .supervisor import Supervisor
 from .timings import Recorder
@@ -147,6 +147,15 @@ class Waker:
             timer.cancel()
 
 
+
+def say_restarting(error: BaseException, note: str) -> None:
+    """An automatic restart began: its note goes into the error's message, where an
+    application that logs ``str(error)`` sees it (a RankDesync's "unusable" ending gives
+    way to it); once."""
+    message = str(error)
+    if note not in message:
+        error.args = (f"{message.removesuffix(UNUSABLE_ENDING)}; {note}",)
+
 class CallQueue:
     """Calls in send order, at most ``max_in_flight`` of them sent and not answered."""
 
@@ -214,9 +223,11 @@ class CallQueue:
             raise RuntimeError("this DistributedRunner is unusable (it was shut down); build "
                                "and start a new one")
         then = "It was shut down; build and start a new one" if state is CLOSED else \
-            "runner.restart() brings its ranks back (or shut it down and build a new one)"
+            "runner.restart() brings its ranks back (DistributedRunner(max_restarts=N) " \
+            "restarts it by itself)"
         raise RuntimeError(f"this DistributedRunner is unusable: {type(failure).__name__}: "
-                           f"{failure}{self.budget_note()}. {then}") from failure
+                           f"{str(failure).removesuffix(UNUSABLE_ENDING)}{self.budget_note()}. "
+                           f"{then}") from failure
 
     def broken(self, exc: BaseException, at: Call | None = None) -> None:
         """The runner is unusable from now on (or restarts itself, if the budget allows):
@@ -233,8 +244,8 @@ class CallQueue:
             exc, call.what, at.what if at is not None else None), note,
             CRASHED if isinstance(exc, WorkerCrashed) else
             TIMED_OUT if isinstance(exc, WorkerTimeout) else DESYNC)
-        if note is not None and note not in getattr(exc, "__notes__", ()):
-            exc.add_note(note)  # raised by a call not yet in flight (a death while idle)
+        if note is not None:
+            say_restarting(exc, note)  # raised by a call not yet in flight (a death while idle)
 
     def fail_in_flight(self, error_of: Callable[[Call], BaseException],
                        note: str | None = None, outcome: str = CANCELLED) -> None:
@@ -244,7 +255,7 @@ class CallQueue:
             if not call.done:
                 error = error_of(call)
                 if note is not None:
-                    error.add_note(note)
+                    say_restarting(error, note)
                 self._settle(call, None, error, outcome)
         self.in_flight.clear()
         self.by_seq.clear()

@@ -130,6 +130,11 @@ class RankHost:
         proc = self.ranks.procs[0]
         return proc.crash_report(), proc.poll(), proc.report_lines()
 
+    def send_signal(self, sig: int) -> None:
+        """``sig`` to the rank's own process (a restart's GROUP_ABORT_SIGNAL)."""
+        if self.ranks.procs:
+            self.ranks.procs[0].send_signal(sig)
+
     def stacks(self) -> str:
         """Every thread's stack of the rank (faulthandler), as Ranks.stacks shows them."""
         return self.ranks.stacks([0])

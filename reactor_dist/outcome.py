@@ -28,7 +28,8 @@ class Outcome(NamedTuple):
 
 RETURNED = Outcome(Status.OK)
 # The end of every RankDesync's message.
-UNUSABLE = "; the runner is unusable: shut it down (and build a new one to go on)"
+UNUSABLE_ENDING = ("; the runner is unusable: runner.restart() brings its ranks back "
+            "(DistributedRunner(max_restarts=N) restarts it by itself)")
 
 
 class Verdict(NamedTuple):
@@ -56,13 +57,13 @@ def judge(method: str, outcomes: Sequence[Outcome]) -> Verdict:
             return Verdict(None, errors[0], False)
         named = ", ".join(f"rank {r} raised {t}" for r, t in types.items())
         desync = RankDesync(f"ranks raised different exception types in {method}(): {named}"
-                            f"{UNUSABLE}")
+                            f"{UNUSABLE_ENDING}")
     else:
         first = next(iter(failed))
         returned = [r for r in range(world_size) if r not in failed]
         desync = RankDesync(
             f"rank {first} raised {failed[first].error_type} in {method}() while rank "
-            f"{', '.join(map(str, returned))} returned: the ranks are out of step{UNUSABLE}")
+            f"{', '.join(map(str, returned))} returned: the ranks are out of step{UNUSABLE_ENDING}")
     desync.__cause__ = next(iter(errors.values()))
     desync.rank_errors = errors
     desync.failures = tuple(o.failure for o in failed.values() if o.failure is not None)

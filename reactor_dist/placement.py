@@ -120,6 +120,10 @@ class HostedRank:
     def crash_report(self) -> str:
         return self.report or f"rank {self.rank} (pid {self.pid}) still running"
 
+    def send_signal(self, sig: int) -> None:
+        """``sig`` to the rank's own process, through its host (not waited for)."""
+        self.host.send_signal.remote(sig)
+
     def stacks_later(self) -> Any:
         return self.host.stacks.remote()
 

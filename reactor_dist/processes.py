@@ -136,6 +136,12 @@ class RankProcess:
         shown = "\n".join(f"    {line}" for line in lines) if lines else "    (no output)"
         return f"rank {self.rank} (pid {self.pid}) {self.exit_description()}; last output:\n{shown}"
 
+    def send_signal(self, sig: int) -> None:
+        """``sig`` to the rank's own process (where its code runs), not to its group."""
+        if self.popen.returncode is None:  # else its pid may be somebody else's now
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.launcher_pid, sig)
+
     def signal_group(self, sig: int) -> None:
         if self.popen.returncode is not None:
             return  # reaped: its pid, which named the group, may be somebody else's now

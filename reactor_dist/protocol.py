@@ -93,6 +93,7 @@ from __future__ import annotations
 import enum
 import io
 import pickle
+import signal
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, NamedTuple
 
@@ -341,6 +342,13 @@ def torchrun_env(rank: int, world_size: int, master_port: int,
 # Inherited by every process a rank starts: finds them when the process tree no longer
 # does (their rank died and they left its process group, or a daemon double-forked).
 MARK_ENV = "REACTOR_DIST_RANK_MARK"
+# Signals the runner sends a rank's own process (never its process group): SIGUSR1 asks
+# for every thread's stack (faulthandler, reactor_dist.stacks); GROUP_ABORT_SIGNAL, at a
+# restart, makes a survivor close its torch group's connections, so that it gets out of
+# whatever collective it waits in (reactor_dist.group).  A real-time signal: no
+# library's own, and blocked in every thread of a rank but the one that waits for it.
+STACKS_SIGNAL = signal.SIGUSR1
+GROUP_ABORT_SIGNAL = signal.SIGRTMIN + 2
 # /dev/shm entries: rdist.<owner pid>.<owner start time, hex>.<runner token>.<tag><token>
 # (tag: "in" for inputs, "r0-" for results; token: 16 random hex digits per segment)
 SEGMENT_PREFIX = "rdist"
@@ -348,6 +356,14 @@ SEGMENT_PREFIX = "rdist"
 OWNER_LOCK = "lock"
 # The runner's private ipc directory: reactor-dist-<owner pid>-<random>
 IPC_DIR_PREFIX = "reactor-dist-"
+
+
+def store_file(epoch: int) -> str:
+    """The torch group's FileStore of generation ``epoch``, in the private directory (the
+    ranks of one machine meet there; a restart's new group has a file of its own, and
+    the runner removes the old generation's once the new group is formed)."""
+    return "store" if not epoch else f"store.{epoch}"
+
 
 
 def segment_prefix(pid: int, started: int, token: str) -> str:

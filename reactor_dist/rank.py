@@ -44,9 +44,9 @@ import zmq
 from . import collective_wait, shm, transfer, wire
 from .device import choose_device, wait_for_device
 from .errors import SharedMemoryExhausted, describe, pickle_exception
-from .group import Rendezvous
+from .group import Rendezvous, block_abort_signal, watch_abort
 from .progress import FORMING, IMPORTING, LOADING, Reporter
-from .protocol import Bootstrap, Field, Kind, Method, Status
+from .protocol import STACKS_SIGNAL, Bootstrap, Field, Kind, Method, Status
 from .rank_memory import CALLER, Inbox, RankMemory
 from .worker import import_worker_class
 
@@ -142,6 +142,7 @@ class RankServer:
         watch_runner(self.boot.runner_pid, self.on_runner_death)
         self.connect()
         self.rendezvous = Rendezvous(self.boot, self.private_dir())
+        watch_abort(self.rendezvous)
         port = self.open_rendezvous()
         while True:
             if self.held and self.inbox.over(self.raised_in):
@@ -407,8 +408,9 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     parser.parse_args(argv)
+    block_abort_signal()  # before any thread: they all inherit the mask
     faulthandler.enable(all_threads=True)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the runner asks on a timeout
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # the runner asks on a timeout
     boot = Bootstrap.read(sys.stdin.buffer)
     sys.stdin.close()
     sys.path[:] = boot.sys_path + [p for p in sys.path if p not in boot.sys_path]

@@ -4,10 +4,14 @@ The caller's side of one restart (the call queue holds every call meanwhile)::
 
     caller                                                ranks
     DROP (SEQ: the last call sent) ------------------->  each skips calls up to it
+    GROUP_ABORT_SIGNAL to each live rank (rejoin()) -->  closes the old group's
+                                                          connections: every collective
+                                                          of the failed step raises
     a new epoch: the old death watch ends, its notices are stale
     who keeps its model (only if the worker defines rejoin() and the DROP went out to
       every rank: a full pipe refuses it to all, XPUB_NODROP): alive, and answers
-      a PING within the grace period (a rank stuck in a collective does not)
+      a PING within the grace period (one that does not is stopped, or hangs in the
+      model's own code; a rank known dead is not waited for)
     end the others; forget what they held (rank 0 ended: its result segments go)
     start a replacement per ended rank (same rank, GPU, Ray bundle)
     PING -> PONG from each replacement (rank 0's: its store port across nodes)
@@ -58,8 +62,10 @@ def restart(supervisor: Supervisor, *, rejoin: bool, grace: float, timeout: floa
                               deadline=time.monotonic())
     except CommandBlocked:
         dropped = False
-    supervisor.new_epoch()  # deaths from here on are this restart's business
     alive = [r for r, proc in enumerate(ranks.procs) if proc.alive()]
+    if rejoin and dropped:  # the survivors leave the failed step, wherever they wait in it
+        supervisor.abort_groups(alive)
+    supervisor.new_epoch()  # deaths from here on are this restart's business
     kept = responsive(supervisor, alive, min(grace, max(deadline - began, 0.0)), other) \
         if rejoin and alive and dropped else []
     replaced = [r for r in range(supervisor.world_size) if r not in kept]
@@ -85,6 +91,7 @@ def restart(supervisor: Supervisor, *, rejoin: bool, grace: float, timeout: floa
     answers = supervisor.exchange(asks, deadline - time.monotonic(), timeout, "restart()",
                        first_error=True, other=other)
     raise_first_error(answers)
+    supervisor.remove_old_stores()
     for rank in replaced:
         seconds = answers[rank][0].get(Field.LOAD_SECONDS)
         if isinstance(seconds, float):

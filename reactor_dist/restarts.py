@@ -38,6 +38,18 @@ def first_line(exc: BaseException) -> str:
     return lines[0].rstrip(":") if lines else type(exc).__name__
 
 
+
+def told(done: recovery.Restarted) -> str:
+    """What a restart did, for its log record: who got a new process, who was kept."""
+    parts = []
+    if done.replaced:
+        parts.append(f"new process and load() for rank {', '.join(map(str, done.replaced))}")
+    if done.kept:
+        parts.append(f"rank {', '.join(map(str, done.kept))} kept its model (rejoin())")
+    if not done.kept:
+        parts.append("no rank kept its model")
+    return ", ".join(parts)
+
 class Restarts:
     """How many restarts so far, the budget, and the restart itself, of one runner."""
 
@@ -106,10 +118,8 @@ class Restarts:
             self.count += 1
             self.last = done
             reason = f" after {type(why).__name__}: {first_line(why)}" if why else ""
-            log.warning("restart %d%s: new process and load() for rank %s, %s in %.2f s",
-                        self.count, reason, ", ".join(map(str, done.replaced)),
-                        f"rank {', '.join(map(str, done.kept))} kept its model (rejoin())"
-                        if done.kept else "no rank kept its model", done.seconds,
+            log.warning("restart %d%s: %s in %.2f s", self.count, reason, told(done),
+                        done.seconds,
                         extra={"restart": self.count, "replaced": done.replaced,
                                "kept": done.kept, "restart_seconds": done.seconds})
             queue.restart_ended(None)

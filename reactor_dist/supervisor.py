@@ -49,6 +49,7 @@ from .processes import Ranks, end_ranks, free_port
 from .progress import Display
 from .protocol import (
     COMMANDS,
+    GROUP_ABORT_SIGNAL,
     MAX_FRAME_ENV,
     MAX_MESSAGE_ENV,
     SECRET_SIZE,
@@ -60,6 +61,7 @@ from .protocol import (
     Status,
     WorkerRef,
     result_tag,
+    store_file,
 )
 from .releaser import Releaser
 
@@ -217,6 +219,12 @@ class Supervisor:
                 raise RuntimeError(f"the runner was shut down during {what}")
             now = time.monotonic()
             sending = len(heard) < len(asked)
+            if partial and now >= beat:  # a rank known dead is not waited for
+                for gone in [r for r in asked if r not in replies and
+                             not self.ranks.procs[r].alive()]:
+                    asked.pop(gone)
+                if len(replies) == len(asked):
+                    break
             if sending and now >= beat:
                 for ask in asks:
                     if ask.command and not ask.ranks <= heard:
@@ -275,6 +283,23 @@ class Supervisor:
             for rank, (header, _) in pongs.items():
                 self.ranks.found_launcher(rank, header.get(Field.PID))
         return pongs
+
+    def abort_groups(self, ranks: list[int]) -> None:
+        """restart(): each of ``ranks`` (alive) gets out of whatever collective of the
+        failed step it waits in: the old group's connections close on all of them at
+        once, so that a survivor waiting on another survivor is released by it too
+        (reactor_dist.group).  Only for the runner's own group."""
+        if self._init_process_group and self.world_size > 1 and self.ranks is not None:
+            for rank in ranks:
+                self.ranks.procs[rank].send_signal(GROUP_ABORT_SIGNAL)
+
+    def remove_old_stores(self) -> None:
+        """A restart formed the group of ``epoch``: the stores of the generations before
+        it go (nobody meets there any more)."""
+        if self.ipc_dir is not None:
+            for epoch in range(self.epoch):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.ipc_dir, store_file(epoch)))
 
     def new_epoch(self) -> None:
         """A restart begins: the old death watch ends, and its notices are stale from now

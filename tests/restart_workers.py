@@ -78,6 +78,27 @@ class Arm:
 
 
 @dataclasses.dataclass
+class DieIn:
+    """Rank ``victim`` is SIGKILLed ``when`` ("before": as the others enter the collective
+    ``op``; "inside": 0.3 s after it entered ``op`` itself, while the rank after it is
+    still a second from entering), ``op`` being all_reduce, all_gather or broadcast
+    (from the victim) of ``n`` elements."""
+
+    victim: int
+    when: str
+    op: str
+    n: int
+
+
+@dataclasses.dataclass
+class HangIn:
+    """Rank ``rank`` hangs in the model's own code (a sleep, not a collective); the
+    others return."""
+
+    rank: int
+
+
+@dataclasses.dataclass
 class Pid:
     """Every rank's pid and how many times its worker object ran load() and rejoin()."""
 
@@ -104,6 +125,12 @@ class Reduces(DistributedWorker):
             return "armed"
         if isinstance(x, Pid):
             return self.gather((os.getpid(), self.loads, self.rejoins))
+        if isinstance(x, DieIn):
+            return self.die_in(x)
+        if isinstance(x, HangIn):
+            if x.rank == self.rank:
+                time.sleep(3600)
+            return "returned"
         if isinstance(x, Step):  # sample_workers.Sleep: a call that stays in flight a while
             return x.run(self)
         return reduced(x, self.rank)
@@ -125,6 +152,27 @@ class Reduces(DistributedWorker):
         if spec.where == "collective":
             reduced(0, self.rank)
         return "done"
+
+    def die_in(self, spec: DieIn) -> str:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.full((spec.n,), float(self.rank + 1))
+        if self.rank == spec.victim:
+            if spec.when == "before":
+                os.kill(os.getpid(), signal.SIGKILL)
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        elif self.rank == (spec.victim + 1) % self.world_size and spec.when == "inside":
+            time.sleep(1.0)
+        if spec.op == "all_reduce":
+            dist.all_reduce(t)
+        elif spec.op == "all_gather":
+            dist.all_gather([torch.empty_like(t) for _ in range(self.world_size)], t)
+        else:
+            dist.broadcast(t, src=spec.victim)
+        if self.rank == spec.victim:
+            time.sleep(3600)  # the op returned before the timer: it fires here
+        return "returned"
 
     def stream_then_fault(self, spec: FaultAt):
         for i in range(STREAM_ITEMS):

@@ -157,7 +157,8 @@ def test_every_runner_failure_is_a_reactor_dist_error_and_keeps_its_standard_bas
             runner.generate("fault")
     assert isinstance(info.value, RankDesync) and isinstance(info.value, RuntimeError)
     assert str(info.value).endswith("the ranks are out of step; the runner is unusable: "
-                                    "shut it down (and build a new one to go on)")
+                                    "runner.restart() brings its ranks back "
+                                    "(DistributedRunner(max_restarts=N) restarts it by itself)")
     with DistributedRunner(Echo, world_size=1, device="cpu", call_timeout=0.3) as runner:
         with pytest.raises(ReactorDistError) as info:
             runner.generate(Sleep(5))

@@ -47,7 +47,8 @@ def test_different_types_are_a_desync_naming_each_rank():
     assert isinstance(verdict.error, RankDesync) and verdict.breaks is True
     assert str(verdict.error) == ("ranks raised different exception types in generate(): "
                                   "rank 0 raised ValueError, rank 1 raised KeyError; the runner "
-                                  "is unusable: shut it down (and build a new one to go on)")
+                                  "is unusable: runner.restart() brings its ranks back "
+                                  "(DistributedRunner(max_restarts=N) restarts it by itself)")
     assert verdict.error.__cause__ is first
     assert verdict.error.rank_errors == {0: first, 1: second}
 
@@ -58,7 +59,8 @@ def test_some_raised_others_returned_is_a_desync_naming_the_first_failing_rank()
     assert isinstance(verdict.error, RankDesync) and verdict.breaks is True
     assert str(verdict.error) == ("rank 1 raised ValueError in reset() while rank 0, 2 "
                                   "returned: the ranks are out of step; the runner is unusable: "
-                                  "shut it down (and build a new one to go on)")
+                                  "runner.restart() brings its ranks back "
+                                  "(DistributedRunner(max_restarts=N) restarts it by itself)")
     assert verdict.error.__cause__ is error
     assert set(verdict.error.rank_errors) == {1, 3}
 

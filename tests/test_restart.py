@@ -147,7 +147,7 @@ def recovers(runner: DistributedRunner, mode: str, count: int, exc: BaseExceptio
         assert runner.healthy
         assert runner.restarts == count
     else:
-        assert any(RESTARTING in note for note in getattr(exc, "__notes__", [])), exc
+        assert RESTARTING in str(exc), exc
     assert answer(runner, x, timeout=WAIT) == fresh(ws, x)
     assert runner.restarts == count
     assert runner.stats().restarts == count
@@ -247,10 +247,11 @@ def test_with_rejoin_only_the_dead_rank_gets_a_new_process(victim, noticed, tmp_
     assert wait_gone(pids + [new_pid]) == []
 
 
-def test_a_survivor_stuck_in_a_collective_past_the_grace_period_is_replaced(tmp_path):
+def test_a_survivor_stuck_in_a_collective_is_released_and_kept(tmp_path):
     """Rank 1 raises before an all_reduce that rank 0 then waits in (the group's timeout
-    is far beyond shutdown_grace): rank 0 cannot answer, so it gets a new process;
-    rank 1 answers, so it keeps its own."""
+    is far beyond shutdown_grace): the restart closes the old group's connections, so
+    rank 0 gets out of the collective, answers, and keeps its process and model, as
+    rank 1 does."""
     runner = make_runner(2, ReducesAndRejoins, load_kwargs={"state_dir": str(tmp_path)},
                          shutdown_grace=1.0)
     with runner:
@@ -259,13 +260,11 @@ def test_a_survivor_stuck_in_a_collective_past_the_grace_period_is_replaced(tmp_
             runner.generate(FaultAt("desync", 1, "collective"), timeout=HANG_TIMEOUT)
         runner.restart()
         after = runner.generate(Pid())
-        assert after[1] == (pids[1], 1, 1)
-        assert after[0][0] != pids[0] and after[0][1:] == (1, 0)
-        assert lines(tmp_path / "rejoin-1") == [pids[1]]
-        assert lines(tmp_path / "rejoin-0") == []
-        assert lines(tmp_path / "load-0") == [pids[0], after[0][0]]
+        assert after == [(pids[0], 1, 1), (pids[1], 1, 1)]
+        assert lines(tmp_path / "rejoin-0") == [pids[0]]
+        assert lines(tmp_path / "load-0") == [pids[0]]
         assert answer(runner, 2) == fresh(2, 2)
-    assert wait_gone(pids + [after[0][0]]) == []
+    assert wait_gone(pids) == []
 
 
 def test_with_rejoin_a_stopped_rank_is_replaced_and_the_others_keep_theirs(tmp_path):
@@ -369,10 +368,11 @@ def test_a_crash_loop_uses_the_budget_and_stops(tmp_path):
             with pytest.raises(WorkerCrashed, match="rank 1") as info:
                 runner.generate(i, timeout=WAIT)
             errors.append(info.value)
-        notes = [getattr(e, "__notes__", []) for e in errors]
-        assert [any(RESTARTING in n for n in ns) for ns in notes] == [True, True, False]
-        assert "restart 1 of max_restarts=2" in notes[0][0]
-        assert "restart 2 of max_restarts=2" in notes[1][0]
+        # The automatic restart is told in the message itself (what a log of str() shows).
+        assert [RESTARTING in str(e) for e in errors] == [True, True, False]
+        assert "restart 1 of max_restarts=2" in str(errors[0])
+        assert "restart 2 of max_restarts=2" in str(errors[1])
+        assert not any(getattr(e, "__notes__", []) for e in errors)
         with pytest.raises(RuntimeError, match="unusable") as refused:
             runner.generate(9)
         message = str(refused.value)
@@ -393,7 +393,7 @@ def test_a_call_behind_a_restart_waits_at_most_its_own_timeout():
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(WorkerCrashed) as info:
             runner.generate(1)
-        assert any(RESTARTING in n for n in info.value.__notes__)
+        assert RESTARTING in str(info.value)
         with pytest.raises(CallQueueFull, match="restart"):
             runner.generate(1, timeout=0.001)
         assert answer(runner, 2, timeout=WAIT) == fresh(2, 2)
@@ -412,7 +412,7 @@ def test_calls_in_flight_at_the_fault_all_fail_and_the_next_one_succeeds(mode):
         if mode == "restart":
             runner.restart()
         else:
-            assert all(any(RESTARTING in n for n in e.__notes__) for e in errors)
+            assert all(RESTARTING in str(e) for e in errors)
         assert answer(runner, 9, timeout=WAIT) == fresh(2, 9)
         assert runner.restarts == 1
 
@@ -450,7 +450,7 @@ def test_shutdown_while_the_runner_restarts_itself_leaves_nothing():
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(WorkerCrashed) as info:
             runner.generate(Sleep(0, value=1))
-        assert any(RESTARTING in n for n in info.value.__notes__)
+        assert RESTARTING in str(info.value)
     finally:
         runner.shutdown()  # the restart in the background gives up
     every = pids + Probe(runner).rank_pids
