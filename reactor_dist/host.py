@@ -2,7 +2,7 @@
 
 Ray places; it does not run the rank.  Each bundle of the runner's placement group
 holds one :class:`RankHost`, which starts the same ``python -P -m reactor_dist.rank``
-as a local runner does (:class:`reactor_dist.processes.Ranks`: own process group,
+as a local runner does (:class:`reactor_dist.processes.RankProcess`: own process group,
 bootstrap on stdin, output pump, pidfd death watch) and answers the runner::
 
     runner                                RankHost (one per rank, on its node)
@@ -12,7 +12,10 @@ bootstrap on stdin, output pump, pidfd death watch) and answers the runner::
     exited()       ----- blocks ------->  returns the crash report, the exit status
                                           and the last lines when it dies
     stacks()       -------------------->  SIGUSR1 -> faulthandler dump lines
-    stop(grace)    -------------------->  graceful wait, then kill the group
+    signal(sig)    -------------------->  sig to the rank's process group
+    relaunch(boot) -------------------->  what is left ends; the rank starts again
+    end_rank()     -------------------->  graceful wait, then kill the group; host stays
+    stop(grace)    -------------------->  the same, and the lifeline closed
 
 Why a host process rather than the rank being the actor: the rank keeps one code
 path wherever it runs (its signals, its process group, its stdin bootstrap, its
@@ -35,7 +38,7 @@ import threading
 
 import zmq
 
-from .processes import Ranks, end_ranks
+from .processes import TERM_GRACE, RankProcess, Ranks
 from .protocol import Bootstrap
 from .ray_view import gpu_view, set_rank_threads
 
@@ -50,7 +53,7 @@ class RankHost:
         self.died = threading.Event()
         # The rank's lines, [rank N]-prefixed, on this actor's stderr: Ray forwards them
         # to the runner's process (log_to_driver); crash reports and stacks keep the last.
-        self.ranks = Ranks(world_size, lambda ranks: self.died.set(), "stderr")
+        self.ranks = Ranks(lambda ranks: self.died.set())
         self._public, self._secret = zmq.curve_keypair()
         self._lifeline: socket.socket | None = None
         self._launched: tuple[dict[str, str], list[str], dict[str, str]] = ({}, [], {})
@@ -85,21 +88,25 @@ class RankHost:
         if boot.curve is not None:  # the secret key is born here and stays here
             boot = dataclasses.replace(boot, curve=(boot.curve[0], self._public, self._secret))
         env, launch_prefix, torch_env = self._launched
-        self.ranks.spawn(self.rank, boot.to_bytes(), master_port=0, env=env, gpus=None,
-                         launch_prefix=launch_prefix, torch_env=torch_env)
-        return self.ranks.procs[0].pid
+        proc = RankProcess.spawn(self.rank, self.world_size, boot.to_bytes(), master_port=0,
+                                 env=env, gpus=None, launch_prefix=launch_prefix,
+                                 torch_env=torch_env)
+        self.ranks.add(proc)
+        return proc.pid
 
     def relaunch(self, bootstrap: bytes) -> int:
         """restart(): whatever is left of the rank ends; the rank starts again here (same
         node, same bundle, same GPUs); its pid."""
         self.end_rank()
         died = self.died = threading.Event()
-        self.ranks = Ranks(self.world_size, lambda ranks: died.set(), "stderr")
+        self.ranks = Ranks(lambda ranks: died.set())
         return self._spawn(bootstrap)
 
-    def end_rank(self) -> None:
-        """The rank ends now (a restart replaces it, or failed); the host stays."""
-        self.ranks.end(0.0)
+    def end_rank(self, grace: float = 0.0, term_grace: float = TERM_GRACE) -> None:
+        """The rank ends (a restart replaces it, or failed; or the runner shuts down):
+        ``grace`` seconds to leave by itself, then its group ended for sure, SIGTERM then
+        SIGKILL after ``term_grace`` seconds (processes.Ranks.end); the host stays."""
+        self.ranks.end(grace, term_grace)
         self.died.set()  # a watch still waiting on it learns that it is gone
 
     def _hold(self, address: tuple[str, int]) -> None:
@@ -117,7 +124,7 @@ class RankHost:
                 while sock.recv(64):
                     pass
             if self._lifeline is sock:  # broken, not closed by stop(): the runner is gone
-                end_ranks(self.ranks.procs, term_grace=0.5)
+                RankProcess.end_all(self.ranks.procs, 0.0, term_grace=0.5)
                 os._exit(1)
 
         threading.Thread(target=hold, name="reactor-dist-lifeline", daemon=True).start()
@@ -126,14 +133,18 @@ class RankHost:
         """Blocks until the rank dies; its crash report, its exit code (negative: the
         signal) and the report's lines, the last two for its failure record
         (errors.RankFailure)."""
-        self.died.wait()
-        proc = self.ranks.procs[0]
+        ranks, died = self.ranks, self.died  # this rank's, not a relaunched one's
+        died.wait()
+        if not ranks.procs:  # ended on purpose (end_rank): gone, and nobody is told
+            return f"rank {self.rank} ended by its runner", None, []
+        proc = ranks.procs[0]
         return proc.crash_report(), proc.poll(), proc.report_lines()
 
-    def send_signal(self, sig: int) -> None:
-        """``sig`` to the rank's own process (a restart's GROUP_ABORT_SIGNAL)."""
-        if self.ranks.procs:
-            self.ranks.procs[0].send_signal(sig)
+    def signal(self, sig: int, group: bool = True) -> None:
+        """``sig`` to the rank's process group, or (``group`` false) to its own process
+        alone (processes.RankProcess.signal)."""
+        for proc in self.ranks.procs:
+            proc.signal(sig, group)
 
     def stacks(self) -> str:
         """Every thread's stack of the rank (faulthandler), as Ranks.stacks shows them."""

@@ -17,6 +17,9 @@ Ray reserves and places; the rest is the local runner's::
     lifeline    each host holds a TCP connection to the runner: broken, it ends its rank
 
 Locality is decided by Ray's node id alone, never by trying shared memory.
+:class:`RayGroup` is the runner's placement (processes.Placement) and each
+:class:`HostedRank` its handle on one rank (processes.Rank): the supervisor asks them
+what it asks of a local placement and its ranks.
 """
 
 from __future__ import annotations
@@ -27,14 +30,19 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
+from . import timeouts, wire
 from .errors import PlacementFailed, WorkerTimeout
 from .host import RankHost
-from .protocol import Bootstrap, torchrun_env
+from .processes import DeathWatch, LocalPlacement, Placement, Rank, Ranks
+from .protocol import MAX_FRAME_ENV, MAX_MESSAGE_ENV, Bootstrap, torchrun_env
 from .ray_view import THREADS_ENV, check_own_gpus, connect, local_place
+
+if TYPE_CHECKING:
+    from .bus import Bus
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 RAY_EXTRA = "pip install 'reactor-dist[ray]'"
@@ -78,11 +86,20 @@ def check_ray_options(placement: str, bundle: Any, strategy: Any) -> RaySpec | N
     return RaySpec(bundle, strategy)
 
 
-class HostedRank:
-    """The runner's handle on a rank that a RankHost runs: what Ranks asks of a
-    RankProcess (alive, poll, crash_report, report_lines, stacks), answered through Ray."""
+def placement_for(spec: RaySpec | None, *, world_size: int, device: str,
+                  env: dict[str, str], launch_prefix: list[str], gpus: list[int] | None,
+                  rank_output: str, start_timeout: float | None) -> Placement:
+    """The runner's placement: ``spec`` (check_ray_options) None is placement="local"."""
+    if spec is None:
+        return LocalPlacement(world_size, env=env, gpus=gpus, launch_prefix=launch_prefix,
+                              output=rank_output)
+    return RayGroup(world_size, spec, device, env=env, launch_prefix=launch_prefix,
+                    start_timeout=start_timeout)
 
-    hosted = True
+
+class HostedRank(Rank):
+    """The runner's handle on a rank that a RankHost runs on its node: answered through
+    Ray; its death is reported by its group's watch (RayGroup.watch)."""
 
     def __init__(self, rank: int, host: Any, node: str, address: str, host_pid: int,
                  local: bool, hostname: str = "") -> None:
@@ -97,6 +114,10 @@ class HostedRank:
     def launcher_pid(self) -> int:
         """Where its code runs (its host started it: the same pid)."""
         return self.pid
+
+    def launched(self, pid: int) -> None:
+        """Its host started it (again): a new process, not dead."""
+        self.pid, self.report, self.returncode, self.lines = pid, None, None, []
 
     def died(self, exited: Any) -> None:
         """Its host's ``exited()``: the crash report, exit status and last lines."""
@@ -114,43 +135,112 @@ class HostedRank:
         """Not known here (its host could look): counted as running."""
         return False
 
+    def signal(self, sig: int, group: bool = True) -> None:
+        """Through its host, which signals the rank (its process group, or with ``group``
+        false its own process) on its node."""
+        import ray
+
+        with contextlib.suppress(Exception):  # its host gone: its rank went with it
+            ray.get(self.host.signal.remote(sig, group), timeout=10)
+
     def report_lines(self) -> list[str]:
         return list(self.lines)
 
     def crash_report(self) -> str:
         return self.report or f"rank {self.rank} (pid {self.pid}) still running"
 
-    def send_signal(self, sig: int) -> None:
-        """``sig`` to the rank's own process, through its host (not waited for)."""
-        self.host.send_signal.remote(sig)
+    def stacks_later(self) -> RemoteStacks:
+        """Its host's stacks() (SIGUSR1 and the dump, on its node)."""
+        return RemoteStacks(self, self.host.stacks.remote())
 
-    def stacks_later(self) -> Any:
-        return self.host.stacks.remote()
+    def watch_with(self, deaths: DeathWatch) -> None:
+        deaths.watched_elsewhere(self)  # RayGroup.watch calls deaths.notice
 
-    def stacks_now(self, later: Any) -> str:
+    def runs_in(self, pid: int, deaths: DeathWatch) -> None:
+        """Nothing to watch from here: ``pid`` is a process on the rank's node, and its
+        host watches the process it started."""
+
+    @classmethod
+    def end_all(cls, ranks: Sequence[Rank], grace: float, term_grace: float) -> None:
+        """Each host ends its rank (RankHost.end_rank), side by side; the hosts stay.
+        Where Ray has already shut down, the hosts, and their ranks, are gone already."""
         import ray
 
+        hosted = cast("list[HostedRank]", list(ranks))
+        if not hosted or not ray.is_initialized():
+            return
+        with contextlib.suppress(Exception):
+            ray.wait([r.host.end_rank.remote(grace, term_grace) for r in hosted],
+                     num_returns=len(hosted),
+                     timeout=timeouts.for_library(grace) + term_grace + 30)
+
+
+class RemoteStacks:
+    """A hosted rank's stacks on their way (its host's ``stacks()``)."""
+
+    def __init__(self, handle: HostedRank, later: Any) -> None:
+        self.handle, self.later = handle, later
+
+    def text(self) -> str:
+        import ray
+
+        hosted = self.handle
         try:
-            return ray.get(later, timeout=10)
+            return ray.get(self.later, timeout=10)
         except Exception as exc:
-            return f"rank {self.rank} (pid {self.pid} on node {self.node[:12]}): " \
+            return f"rank {hosted.rank} (pid {hosted.pid} on node {hosted.node[:12]}): " \
                    f"no stacks ({type(exc).__name__}: {exc})"
 
 
-class RayGroup:
-    """The placement group, the hosts and their watch, of one runner."""
+class RayGroup(Placement):
+    """placement="ray": the placement group, the hosts and their watch, of one runner."""
 
-    def __init__(self, world_size: int, spec: RaySpec, device: str) -> None:
+    def __init__(self, world_size: int, spec: RaySpec, device: str, *, env: dict[str, str],
+                 launch_prefix: list[str], start_timeout: float | None) -> None:
         self.ray = import_ray()
         self.world_size, self.spec, self.device = world_size, spec, device
+        self.env, self.launch_prefix, self.start_timeout = env, launch_prefix, start_timeout
         self.group: Any = None
         self.ranks: list[HostedRank] = []
         self.bundle: dict[str, float] = {}
         self.lifeline: socket.socket | None = None
+        self._remote: dict[str, Any] = {}  # a rank on another node: the bus's TCP side
         self._held: list[socket.socket] = []
         self._closing = threading.Event()
-        self._watching = threading.Event()  # set: the current watch thread ends
         self._threads: list[threading.Thread] = []  # the lifeline's and the watch's
+
+    # -- the placement's interface ----------------------------------------------------
+    @property
+    def shares_memory(self) -> bool:
+        """Every rank is on the runner's node (locality by Ray's node id alone)."""
+        return not self.spans_nodes
+
+    def bootstrap_fields(self, rank: int) -> dict[str, Any]:
+        """On another node than the runner, the bus over TCP (CurveZMQ), the group's
+        store at rank 0's node; its own GPUs alone (ray_view)."""
+        hosted, remote = self.ranks[rank], self._remote
+        return dict(master_addr=self.ranks[0].address if remote else "",
+                    device_index=0 if self.own_gpus else None,
+                    **({} if hosted.local else {**remote, "runner_pid": hosted.host_pid}))
+
+    def start(self, ranks: Ranks, bootstrap: Callable[[int], Bootstrap], bus: Bus,
+              deadline: float) -> None:
+        """Reserve, then start each rank through its host; a rank on another node than
+        this one reaches the bus over TCP (CurveZMQ)."""
+        self.reserve(timeouts.for_library(max(deadline - time.monotonic(), 0.01)),
+                     timeouts.for_library(self.start_timeout))
+        if self.spans_nodes:
+            cmd, reply, server = bus.open_tcp(self.address, self.remote_keys())
+            self._remote = {"cmd_addr": cmd, "reply_addr": reply,
+                            "curve": (server, b"", b""), "shared_memory": False}
+        boots = []
+        for hosted in self.ranks:
+            ranks.add(hosted)
+            boots.append(bootstrap(hosted.rank))
+        self.watch(ranks.watch)
+        bounds = {MAX_FRAME_ENV: str(wire.MAX_FRAME), MAX_MESSAGE_ENV: str(wire.MAX_MESSAGE)}
+        self.launch(boots, {**bounds, **self.env}, self.launch_prefix,
+                    timeouts.for_library(max(deadline - time.monotonic(), 0.01)))
 
     # -- reserve ---------------------------------------------------------------------
     def reserve(self, timeout: float, stated: float) -> None:
@@ -284,7 +374,7 @@ class RayGroup:
         for hosted, boot in zip(self.ranks, boots, strict=True):
             torch_env = torchrun_env(hosted.rank, self.world_size, master_port, master.address,
                                      local_place(hosted.rank, nodes, self.own_gpus))
-            calls.append(hosted.host.launch.remote(  # {rank} is filled in by Ranks.spawn
+            calls.append(hosted.host.launch.remote(  # {rank}: filled in by RankProcess.spawn
                 boot.to_bytes(), env, launch_prefix, torch_env, lifeline,
                 os.environ.get(THREADS_ENV)))
         pids = self._get(calls, deadline - time.monotonic(), "start the ranks")
@@ -311,52 +401,45 @@ class RayGroup:
         self._threads.append(thread)
         thread.start()
 
-    def relaunch(self, replaced: list[int], ranks: Any, boots: list[Bootstrap],
-                 timeout: float) -> None:
-        """restart(): ``replaced`` start again through their hosts, in their bundles
-        (``boots``, in that order); ``ranks`` (processes.Ranks) takes every rank's handle
-        and the watch reports to it from now on."""
+    def restart(self, replaced: list[int], old: Ranks, ranks: Ranks,
+                bootstrap: Callable[[int], Bootstrap]) -> None:
+        """``replaced`` start again through their hosts, in their bundles; every rank
+        keeps its handle (the group's), and the watch reports to ``ranks`` from now on."""
         for hosted in self.ranks:
-            ranks.adopt(hosted)
-        calls = [self.ranks[r].host.relaunch.remote(boot.to_bytes())
-                 for r, boot in zip(replaced, boots, strict=True)]
+            ranks.add(hosted)
+        calls = [self.ranks[r].host.relaunch.remote(bootstrap(r).to_bytes()) for r in replaced]
         try:
-            pids = self._get(calls, timeout, "start the replaced ranks again")
+            pids = self._get(calls, timeouts.for_library(self.start_timeout),
+                             "start the replaced ranks again")
         except self.ray.exceptions.RayError as exc:  # a host that is gone (its node?)
             raise PlacementFailed(f"the bundle of rank {', '.join(map(str, replaced))} could "
                                   f"not be placed again: {type(exc).__name__}: {exc}"
                                   ) from exc
         for rank, pid in zip(replaced, pids, strict=True):
-            self.ranks[rank].pid, self.ranks[rank].report = pid, None
-            self.ranks[rank].returncode, self.ranks[rank].lines = None, []
-        self.watch(ranks.watch.notice)
+            self.ranks[rank].launched(pid)
+        self.watch(ranks.watch)
 
-    def end_ranks(self) -> None:
-        """A restart failed: every rank ends now; the hosts and bundles stay."""
-        with contextlib.suppress(Exception):
-            self.ray.wait([r.host.end_rank.remote() for r in self.ranks],
-                          num_returns=len(self.ranks), timeout=30)
-
-    def watch(self, notice: Callable[[list[int]], None]) -> None:
-        """A thread that reports each rank's death (or its host's) to ``notice``; a new
-        watch (after a restart) ends the one before."""
+    def watch(self, deaths: DeathWatch) -> None:
+        """A thread that reports each rank's death (or its host's) to ``deaths``, the
+        watch of the ranks' generation, until it closes (a restart begins, or the ranks
+        end): the handles it updates pass to the next generation."""
         ray = self.ray
-        self._watching.set()
-        stop = self._watching = threading.Event()
         waiting = {r.host.exited.remote(): r for r in self.ranks}
 
         def run() -> None:
-            while waiting and not self._closing.is_set() and not stop.is_set():
+            while waiting and not self._closing.is_set() and not deaths.closed:
                 try:
                     done, _ = ray.wait(list(waiting), num_returns=1, timeout=0.25)
                 except Exception as exc:  # Ray itself is gone (shut down, or lost)
-                    if self._closing.is_set() or not ray.is_initialized():
+                    if self._closing.is_set() or deaths.closed or not ray.is_initialized():
                         return
                     for hosted in waiting.values():
                         hosted.report = f"rank {hosted.rank}: Ray lost ({exc})"
-                    notice(sorted(h.rank for h in waiting.values()))
+                    deaths.notice(sorted(h.rank for h in waiting.values()))
                     return
                 for ref in done:
+                    if deaths.closed:
+                        return  # a death of a generation that is over
                     hosted = waiting.pop(ref)
                     try:
                         hosted.died(ray.get(ref))
@@ -365,19 +448,21 @@ class RayGroup:
                                          f"{hosted.node[:12]}): its host is gone "
                                          f"({type(exc).__name__}: {str(exc)[:300]})")
                     if not self._closing.is_set():
-                        notice([hosted.rank])
+                        deaths.notice([hosted.rank])
 
         self._start_thread(run, "reactor-dist-ray-watch")
 
     # -- end ------------------------------------------------------------------------
-    def close(self, grace: float) -> None:
+    def close(self, ranks: Ranks, grace: float) -> None:
         """Every rank ended (``grace`` seconds to exit first), every host killed, the
         placement group removed, the lifeline and its connections closed, every thread
         of the group ended; safe in any state.  Where Ray has already shut down
         (its atexit hook ran first), Ray has ended the hosts as their owner left, and
         each rank ends with its host."""
         self._closing.set()
+        grace = timeouts.for_library(grace)
         try:
+            ranks.end(grace)  # each host ends its rank (HostedRank.end_all)
             if self.ray.is_initialized():
                 self._end_hosts(grace)
         except Exception as exc:  # never let cleanup stop the rest of the cleanup
@@ -396,6 +481,8 @@ class RayGroup:
         self._held, self.lifeline, self._threads = [], None, []
 
     def _end_hosts(self, grace: float) -> None:
+        """Each host stops (its rank ended already, or had not started: ``grace`` covers
+        the second) and closes its lifeline; then the actors and the bundles go."""
         ray = self.ray
         if self.ranks:
             stops = [r.host.stop.remote(grace) for r in self.ranks]

@@ -1,6 +1,15 @@
-"""The rank processes: starting them, noticing a death, ending them.
+"""The ranks of a runner, wherever they run: one handle per rank (:class:`Rank`), the
+handles of one generation of ranks (:class:`Ranks`), and where they run
+(:class:`Placement`).
 
-Each rank is a plain subprocess in a POSIX process group of its own, so that one
+A placement starts the ranks and hands back one :class:`Rank` per rank; the supervisor
+asks every handle the same things (is it alive, how did it end, its output, its stacks,
+its death) and never asks which placement it has.  There are two:
+:class:`LocalPlacement`, here, where each rank is a child process of the runner
+(:class:`RankProcess`), and ``placement.RayGroup``, where each rank is a child of a Ray
+actor on its node (``placement.HostedRank``, which a RankProcess there answers for).
+
+A local rank is a plain subprocess in a POSIX process group of its own, so that one
 ``killpg`` ends the rank together with every process its worker started, and a
 terminal's Ctrl-C (sent to the foreground process group) does not reach it.  It
 stays in the caller's session: with the kernel's scheduler autogroups (one per
@@ -8,13 +17,15 @@ session) a session of its own would cost every call about 15 us of cross-group
 wake-ups.  Its output goes through :class:`reactor_dist.output.RankOutput`.
 
 A death is noticed one way only: :class:`DeathWatch`, a thread that sleeps on the
-ranks' pidfds (and on a launcher's pidfd where a ``launch_prefix`` wraps it) and
+local ranks' pidfds (and on a launcher's pidfd where a ``launch_prefix`` wraps it) and
 posts one notice at the first death, which wakes the runner's wait like a reply
-would.  Where a pidfd cannot be had it checks those ranks every 20 ms instead.
+would.  Where a pidfd cannot be had it checks those ranks every 20 ms instead.  A rank
+that another thread watches (a Ray host's) posts its notice through the same watch.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import logging
 import os
@@ -26,14 +37,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import psutil
 
 from . import stacks
 from .errors import RankFailure, RankInfo
 from .output import RankOutput
-from .protocol import MARK_ENV, torchrun_env
+from .protocol import MARK_ENV, Bootstrap, torchrun_env
+
+if TYPE_CHECKING:
+    from .bus import Bus
 
 # Python 3.10 has no process_group=: a new session also makes a new process group.
 OWN_PROCESS_GROUP: dict[str, Any] = (
@@ -46,6 +60,8 @@ SAFE_PATH: list[str] = (["-P", "-m", "reactor_dist.rank"] if sys.version_info >=
                                "runpy.run_module('reactor_dist.rank', run_name='__main__')"])
 POLL_MS = 20  # how often the watch checks ranks it has no pidfd for
 HOSTNAME = socket.gethostname()  # where the local ranks run
+TERM_GRACE = 2.0  # seconds from SIGTERM to SIGKILL when the ranks end
+REPLACED_TERM_GRACE = 0.2  # the same for the ranks that a restart replaces
 log = logging.getLogger("reactor_dist")
 
 
@@ -63,11 +79,112 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-class RankProcess:
-    """One rank's subprocess and its output."""
+class Stacks(Protocol):
+    """A rank's stacks on their way (:meth:`Rank.stacks_later`)."""
 
-    hosted = False  # a child of this process (placement.HostedRank: a Ray actor's)
+    def text(self) -> str:
+        """Every thread's stack, or why there are none; waits for them if need be."""
+        ...
+
+
+class Rank(abc.ABC):
+    """One rank's handle, wherever its process runs: what the supervisor, the death
+    watch and the failure records ask of a rank, answered alike for every placement, so
+    that none of them asks where the rank runs.  Its placement starts it (a handle comes
+    started) and ends it (:meth:`end_all`)."""
+
+    rank: int
+    pid: int  # the rank's process, as its placement started it (on its node)
+    launcher_pid: int  # where its code runs: pid, or a descendant under a launch_prefix
+    hostname: str  # the machine it runs on
+
+    @abc.abstractmethod
+    def poll(self) -> int | None:
+        """The exit code (negative: the signal) once the rank died; None while it runs,
+        and where it cannot be known (its host is gone)."""
+
+    @abc.abstractmethod
+    def alive(self) -> bool:
+        """Not known to have died."""
+
+    @abc.abstractmethod
+    def stopped(self) -> bool:
+        """Alive but stopped (state T, or t under a tracer): it cannot answer until resumed."""
+
+    @abc.abstractmethod
+    def signal(self, sig: int, group: bool = True) -> None:
+        """``sig`` to the rank's process group (the rank and what it started), or with
+        ``group`` false to the process its code runs in alone (``launcher_pid``: a
+        restart's GROUP_ABORT_SIGNAL); a rank already gone is left alone (its pid may be
+        another process's by now)."""
+
+    @abc.abstractmethod
+    def report_lines(self) -> list[str]:
+        """The lines of its output a crash report shows (a dead rank's last ones)."""
+
+    @abc.abstractmethod
+    def crash_report(self) -> str:
+        """How it ended and its last lines, for a WorkerCrashed."""
+
+    @abc.abstractmethod
+    def stacks_later(self) -> Stacks:
+        """Ask for every thread's stack now; the answer's ``text()`` waits for them.
+        Every silent rank is asked before any answer is waited for (Ranks.stacks), so
+        that they dump side by side."""
+
+    @abc.abstractmethod
+    def watch_with(self, deaths: DeathWatch) -> None:
+        """Have ``deaths`` (its generation's watch) notice this rank's death."""
+
+    @abc.abstractmethod
+    def runs_in(self, pid: int, deaths: DeathWatch) -> None:
+        """Its code runs in process ``pid`` (its PONG says so): another process than the
+        one started where a ``launch_prefix`` does not exec the rank."""
+
+    @classmethod
+    @abc.abstractmethod
+    def end_all(cls, ranks: Sequence[Rank], grace: float, term_grace: float) -> None:
+        """End ``ranks`` (handles of this class) for sure, side by side: up to ``grace``
+        seconds to leave by themselves (after a SHUTDOWN; a stopped rank gets none),
+        then SIGTERM, and SIGKILL after ``term_grace`` seconds."""
+
+
+def end_together(ranks: Sequence[Rank], grace: float, term_grace: float) -> None:
+    """End ``ranks`` side by side, each kind of handle as its class does (Rank.end_all)."""
+    kinds: dict[type[Rank], list[Rank]] = {}
+    for proc in ranks:
+        kinds.setdefault(type(proc), []).append(proc)
+    for kind, procs in kinds.items():
+        kind.end_all(procs, grace, term_grace)
+
+
+class RankProcess(Rank):
+    """A rank that is a child process of this one, and its output: every rank of
+    placement="local", and the one rank of a Ray host (reactor_dist.host) on its node."""
+
     hostname = HOSTNAME
+
+    @classmethod
+    def spawn(cls, rank: int, world_size: int, bootstrap: bytes, *, master_port: int,
+              env: dict[str, str], gpus: list[int] | None, launch_prefix: list[str],
+              output: str = "stderr", torch_env: dict[str, str] | None = None
+              ) -> RankProcess:
+        """Start rank ``rank``: ``python -P -m reactor_dist.rank`` (behind ``launch_prefix``)
+        with the torchrun environment (``torch_env``, else this machine's) and ``env``;
+        the bootstrap goes to its stdin, its lines where ``output`` says
+        (output.OUTPUT_MODES)."""
+        full_env = dict(os.environ)
+        full_env.update(env)
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            [package_root] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        full_env.update(torch_env or torchrun_env(rank, world_size, master_port),
+                        PYTHONUNBUFFERED="1")
+        if gpus is not None:
+            full_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        prefix = [part.replace("{rank}", str(rank)) for part in launch_prefix]
+        cmd = prefix + [sys.executable, *SAFE_PATH]
+        return cls(rank, cmd, full_env, os.getcwd(), bootstrap, output)
 
     def __init__(self, rank: int, cmd: list[str], env: dict[str, str], cwd: str,
                  bootstrap: bytes, output: str = "stderr") -> None:
@@ -97,7 +214,7 @@ class RankProcess:
     def poll(self) -> int | None:
         """The exit code (negative: the signal) once the rank died, without reaping it."""
         if self.returncode is None and self.pidfd < 0:
-            return self.popen.poll()  # no pidfd: reaps, and signal_group then refrains
+            return self.popen.poll()  # no pidfd: reaps, and signal() then refrains
         if self.returncode is None:
             with contextlib.suppress(ChildProcessError):
                 info = os.waitid(os.P_PIDFD, self.pidfd,
@@ -136,17 +253,42 @@ class RankProcess:
         shown = "\n".join(f"    {line}" for line in lines) if lines else "    (no output)"
         return f"rank {self.rank} (pid {self.pid}) {self.exit_description()}; last output:\n{shown}"
 
-    def send_signal(self, sig: int) -> None:
-        """``sig`` to the rank's own process (where its code runs), not to its group."""
-        if self.popen.returncode is None:  # else its pid may be somebody else's now
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(self.launcher_pid, sig)
-
-    def signal_group(self, sig: int) -> None:
+    def signal(self, sig: int, group: bool = True) -> None:
+        if not group:
+            if self.popen.returncode is None:  # else its pid may be somebody else's now
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(self.launcher_pid, sig)
+            return
         if self.popen.returncode is not None:
             return  # reaped: its pid, which named the group, may be somebody else's now
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pgid, sig)
+
+    def stacks_later(self) -> stacks.Dump:
+        """SIGUSR1 now, which faulthandler answers in its output (reactor_dist.stacks)."""
+        return stacks.Dump(self)
+
+    def watch_with(self, deaths: DeathWatch) -> None:
+        """Its pidfd, and its launcher's where that is another process."""
+        deaths.watch(self)
+        if self.launcher_pid != self.pid:
+            deaths.watch(self, self.launcher_pid)
+
+    def runs_in(self, pid: int, deaths: DeathWatch) -> None:
+        """With a launch_prefix the rank's code may run in a grandchild: watch it too."""
+        if pid != self.pid:
+            self.launcher_pid = pid
+            deaths.watch(self, pid)
+
+    @classmethod
+    def end_all(cls, ranks: Sequence[Rank], grace: float, term_grace: float) -> None:
+        procs = cast("list[RankProcess]", list(ranks))
+        if grace > 0:
+            stopped = [p for p in procs if stacks.stopped_note(p) is not None]
+            for p in stopped:
+                log.info("rank %d (pid %d) is stopped: ending it without grace", p.rank, p.pid)
+            wait_all_exit([p for p in procs if p not in stopped], grace)
+        end_ranks(procs, term_grace)
 
     def descendants(self) -> list[psutil.Process]:
         try:
@@ -166,15 +308,17 @@ class RankProcess:
 class DeathWatch:
     """The one death detector: a thread that calls ``on_death(ranks)`` once, at the
     first death, and :meth:`dead`, which names the dead ranks without a system call
-    while none has died.  It owns the pidfds it watches."""
+    while none has died.  It owns the pidfds it watches.  Once closed it posts nothing:
+    the deaths from then on are expected."""
 
     def __init__(self, on_death: Callable[[list[int]], None]) -> None:
         self._on_death = on_death
         self._noticed = threading.Lock()  # held for good by the one notice
-        self._hosted: list[Any] = []  # placement.HostedRank: their watch calls notice()
+        self._elsewhere: list[Rank] = []  # watched by another thread, which calls notice()
         self._fds: dict[int, int] = {}  # pidfd -> rank
         self._unwatched: list[RankProcess] = []  # no pidfd: checked every POLL_MS
         self.fired = False  # a rank has died (read by the caller's thread)
+        self.closed = False  # close() began: no notice any more
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name="reactor-dist-death-watch",
                                         daemon=True)
@@ -210,14 +354,14 @@ class DeathWatch:
                 self.notice(sorted(dead))
                 return
 
-    def hosted(self, proc: Any) -> None:
-        """Count ``proc`` (a placement.HostedRank) among the ranks :meth:`dead` names;
-        its own watch calls :meth:`notice`."""
-        self._hosted.append(proc)
+    def watched_elsewhere(self, proc: Rank) -> None:
+        """Count ``proc`` among the ranks :meth:`dead` names; the thread that watches it
+        (placement.RayGroup.watch) calls :meth:`notice`."""
+        self._elsewhere.append(proc)
 
     def notice(self, dead: list[int]) -> None:
-        """The first death alone reaches ``on_death``."""
-        if self._noticed.acquire(blocking=False):
+        """The first death alone reaches ``on_death``, and none once closed."""
+        if not self.closed and self._noticed.acquire(blocking=False):
             self.fired = True
             self._on_death(dead)
 
@@ -228,11 +372,12 @@ class DeathWatch:
         for fd in self._fds:
             fired.register(fd, select.POLLIN)
         dead = {self._fds[fd] for fd, _ in fired.poll(0)}
-        gone = [*self._unwatched, *self._hosted]
+        gone = [*self._unwatched, *self._elsewhere]
         return sorted(dead | {p.rank for p in gone if not p.alive()})
 
     def close(self) -> None:
         """End the thread and close the pidfds; deaths are expected from here on."""
+        self.closed = True
         if self._wake_w < 0:
             return
         os.write(self._wake_w, b"x")
@@ -245,57 +390,23 @@ class DeathWatch:
 
 
 class Ranks:
-    """The rank processes of one runner."""
+    """The rank handles of one generation of a runner's ranks (a restart starts the
+    next), in rank order, and the death watch over them."""
 
-    def __init__(self, world_size: int, on_death: Callable[[list[int]], None],
-                 output: str = "stderr") -> None:
-        self.world_size = world_size
-        self.output = output  # where the ranks' lines go (output.OUTPUT_MODES)
-        self.procs: list[RankProcess] = []
+    def __init__(self, on_death: Callable[[list[int]], None]) -> None:
+        self.procs: list[Rank] = []
         self.watch = DeathWatch(on_death)
 
-    def spawn(self, rank: int, bootstrap: bytes, *, master_port: int, env: dict[str, str],
-              gpus: list[int] | None, launch_prefix: list[str],
-              torch_env: dict[str, str] | None = None) -> None:
-        """Start rank ``rank``: ``python -P -m reactor_dist.rank`` (behind ``launch_prefix``)
-        with the torchrun environment (``torch_env``, else this machine's) and ``env``;
-        the bootstrap goes to its stdin."""
-        full_env = dict(os.environ)
-        full_env.update(env)
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        full_env["PYTHONPATH"] = os.pathsep.join(
-            [package_root] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        full_env.update(torch_env or torchrun_env(rank, self.world_size, master_port),
-                        PYTHONUNBUFFERED="1")
-        if gpus is not None:
-            full_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-        prefix = [part.replace("{rank}", str(rank)) for part in launch_prefix]
-        cmd = prefix + [sys.executable, *SAFE_PATH]
-        proc = RankProcess(rank, cmd, full_env, os.getcwd(), bootstrap, self.output)
+    def add(self, proc: Rank) -> None:
+        """The next rank's handle, a new one or one kept from the generation before,
+        watched from now on."""
         self.procs.append(proc)
-        self.watch.watch(proc)
-
-    def keep(self, proc: Any) -> None:
-        """restart(): a rank of the generation before, which keeps its process."""
-        self.procs.append(proc)
-        if proc.hosted:
-            self.watch.hosted(proc)
-            return
-        self.watch.watch(proc)
-        if proc.launcher_pid != proc.pid:
-            self.watch.watch(proc, proc.launcher_pid)
-
-    def adopt(self, proc: Any) -> None:
-        """A rank that another process started (placement.HostedRank), in rank order."""
-        self.procs.append(proc)
-        self.watch.hosted(proc)
+        proc.watch_with(self.watch)
 
     def found_launcher(self, rank: int, pid: Any) -> None:
-        """With a launch_prefix the rank's code may run in a grandchild: watch it too."""
-        proc = self.procs[rank]
-        if isinstance(pid, int) and pid != proc.pid and not proc.hosted:
-            proc.launcher_pid = pid
-            self.watch.watch(proc, pid)
+        """Rank ``rank``'s PONG named the process its code runs in (``pid``)."""
+        if isinstance(pid, int):
+            self.procs[rank].runs_in(pid, self.watch)
 
     def dead(self) -> list[int]:
         return self.watch.dead()
@@ -331,27 +442,103 @@ class Ranks:
         return tuple(records)
 
     def stacks(self, silent: list[int]) -> str:
-        """Every thread's stack of each silent rank, or why it has none (reactor_dist.stacks),
-        shown in the caller's error alone (not also forwarded)."""
-        # ``silent`` indexes self.procs (a RankHost's one process is its index 0).
-        hosted = {i: self.procs[i].stacks_later() for i in silent
-                  if self.procs[i].hosted}  # their hosts dump them meanwhile
-        local = iter(stacks.dumps([self.procs[i] for i in silent if i not in hosted]))
-        return "\n".join(self.procs[i].stacks_now(hosted[i]) if i in hosted else next(local)
-                         for i in silent)
+        """Every thread's stack of each silent rank, or why it has none, shown in the
+        caller's error alone (not also forwarded); ``silent`` indexes the handles (a Ray
+        host's one rank is its index 0)."""
+        asked = [self.procs[i].stacks_later() for i in silent]  # they dump meanwhile
+        return "\n".join(later.text() for later in asked)
 
-    def end(self, grace: float) -> None:
-        """Wait up to ``grace`` for a graceful exit, then end every rank for sure.  A
-        stopped rank cannot leave: it gets no grace (end_ranks continues it to end it)."""
+    def end(self, grace: float, term_grace: float = TERM_GRACE) -> None:
+        """Wait up to ``grace`` for a graceful exit, then end every rank for sure
+        (Rank.end_all); the watch first, so that these deaths are no notices."""
         self.watch.close()
-        procs = [p for p in self.procs if not p.hosted]  # hosted: placement.RayGroup.close
-        if grace > 0:
-            stopped = [p for p in procs if stacks.stopped_note(p) is not None]
-            for p in stopped:
-                log.info("rank %d (pid %d) is stopped: ending it without grace", p.rank, p.pid)
-            wait_all_exit([p for p in procs if p not in stopped], grace)
-        end_ranks(procs)
+        end_together(self.procs, grace, term_grace)
         self.procs = []
+
+    def end_replaced(self, ranks: list[int]) -> None:
+        """restart(): ``ranks`` end now (their handles stay, for their placement to
+        start them again); none are left after a failed restart ended them all."""
+        end_together([self.procs[r] for r in ranks if r < len(self.procs)], 0.0,
+                     REPLACED_TERM_GRACE)
+
+
+class Placement(abc.ABC):
+    """Where a runner's ranks run, and how they start and end there.  The supervisor
+    holds one and asks it; what differs between placements (how a rank starts, its
+    bootstrap's fields, what else ends with the ranks) is all here."""
+
+    @property
+    @abc.abstractmethod
+    def shares_memory(self) -> bool:
+        """Every rank maps this machine's /dev/shm (else payloads travel in-band)."""
+
+    @abc.abstractmethod
+    def bootstrap_fields(self, rank: int) -> dict[str, Any]:
+        """The fields of rank ``rank``'s bootstrap (protocol.Bootstrap) that this
+        placement decides: where the rank reaches the bus and the group's store, its GPU."""
+
+    @abc.abstractmethod
+    def start(self, ranks: Ranks, bootstrap: Callable[[int], Bootstrap], bus: Bus,
+              deadline: float) -> None:
+        """Start every rank (``bootstrap(rank)`` is its bootstrap, with
+        :meth:`bootstrap_fields`) by ``deadline`` (time.monotonic()): their handles go
+        into ``ranks``, in rank order.  ``bus``: the runner's, for ranks that reach it
+        from another machine."""
+
+    @abc.abstractmethod
+    def restart(self, replaced: list[int], old: Ranks, ranks: Ranks,
+                bootstrap: Callable[[int], Bootstrap]) -> None:
+        """restart(): the ``replaced`` ranks (ended: Ranks.end_replaced) start again,
+        in the same places; the others keep their handles from ``old``.  ``ranks`` takes
+        every rank's handle, in rank order."""
+
+    def end_ranks(self, ranks: Ranks) -> None:
+        """A restart failed: every rank ends now; what the placement holds stays until
+        :meth:`close`."""
+        ranks.end(0.0)
+
+    @abc.abstractmethod
+    def close(self, ranks: Ranks, grace: float) -> None:
+        """Every rank ends (``grace`` seconds to leave by itself first), and whatever the
+        placement holds with it; safe in any state, and twice."""
+
+
+class LocalPlacement(Placement):
+    """placement="local": each rank a child process of this one (RankProcess)."""
+
+    def __init__(self, world_size: int, *, env: dict[str, str], gpus: list[int] | None,
+                 launch_prefix: list[str], output: str = "stderr") -> None:
+        self.world_size, self.env, self.gpus = world_size, env, gpus
+        self.launch_prefix, self.output = launch_prefix, output
+        self.master_port = 0  # MASTER_PORT of the ranks (models that form their own group)
+
+    @property
+    def shares_memory(self) -> bool:
+        return True
+
+    def bootstrap_fields(self, rank: int) -> dict[str, Any]:
+        return {}  # the bootstrap's defaults: ipc://, /dev/shm, GPU index = LOCAL_RANK
+
+    def start(self, ranks: Ranks, bootstrap: Callable[[int], Bootstrap], bus: Bus,
+              deadline: float) -> None:
+        # For models that form their own group (init_process_group=False): one port for
+        # all ranks. With our group, rank 0's store binds port 0 and Kind.INIT carries its port.
+        self.master_port = free_port()
+        for rank in range(self.world_size):
+            ranks.add(self._spawn(rank, bootstrap))
+
+    def restart(self, replaced: list[int], old: Ranks, ranks: Ranks,
+                bootstrap: Callable[[int], Bootstrap]) -> None:
+        for rank in range(self.world_size):
+            ranks.add(self._spawn(rank, bootstrap) if rank in replaced else old.procs[rank])
+
+    def _spawn(self, rank: int, bootstrap: Callable[[int], Bootstrap]) -> RankProcess:
+        return RankProcess.spawn(rank, self.world_size, bootstrap(rank).to_bytes(),
+                                 master_port=self.master_port, env=self.env, gpus=self.gpus,
+                                 launch_prefix=self.launch_prefix, output=self.output)
+
+    def close(self, ranks: Ranks, grace: float) -> None:
+        ranks.end(grace)
 
 
 def _device(devices: Sequence[str], rank: int) -> str | None:
@@ -366,7 +553,7 @@ def _signal(signum: int) -> int:
         return signum
 
 
-def wait_all_exit(ranks: list[RankProcess], timeout: float) -> bool:
+def wait_all_exit(ranks: Sequence[RankProcess], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while True:
         if not any(r.alive() for r in ranks):
@@ -402,7 +589,7 @@ def wait_ended(procs: list[psutil.Process], timeout: float) -> None:
         time.sleep(0.005)
 
 
-def end_ranks(ranks: list[RankProcess], term_grace: float = 2.0) -> None:
+def end_ranks(ranks: Sequence[RankProcess], term_grace: float = TERM_GRACE) -> None:
     """SIGTERM (and SIGCONT) each rank's process group, SIGKILL what is left, reap
     everything.
 
@@ -416,12 +603,12 @@ def end_ranks(ranks: list[RankProcess], term_grace: float = 2.0) -> None:
     strays += marked_processes({r.mark for r in ranks}, {p.pid for p in strays})
     for r in ranks:
         if r.alive():
-            r.signal_group(signal.SIGTERM)
+            r.signal(signal.SIGTERM)
             # A stopped process acts on SIGTERM only once continued: no grace to wait out.
-            r.signal_group(signal.SIGCONT)
+            r.signal(signal.SIGCONT)
     wait_all_exit(ranks, term_grace)
     for r in ranks:
-        r.signal_group(signal.SIGKILL)  # also reaches children of an already-dead rank
+        r.signal(signal.SIGKILL)  # also reaches children of an already-dead rank
     for p in strays:
         with contextlib.suppress(psutil.Error):
             p.kill()

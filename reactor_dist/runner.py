@@ -32,7 +32,7 @@ from . import aio, blocking, validation
 from .call_queue import CLOSED, HEALTHY, NEW, CallQueue
 from .errors import RankInfo
 from .observers import Observer, tell
-from .placement import check_ray_options
+from .placement import check_ray_options, placement_for
 from .protocol import Method
 from .restarts import Restarts
 from .shm import DEFAULT_DIR
@@ -119,13 +119,16 @@ class DistributedRunner:
             # it here so their pickles (results, exceptions) resolve in this process.
             sys.modules.setdefault("__mp_main__", sys.modules["__main__"])
         self._worker_name = f"{worker_cls.__module__}.{worker_cls.__qualname__}"
+        where_ranks_run = placement_for(
+            ray, world_size=world_size, device=device, env=env,
+            launch_prefix=[str(p) for p in launch_prefix], gpus=gpus, rank_output=rank_output,
+            start_timeout=self.start_timeout)
         self._supervisor = Supervisor(
             worker=where, world_size=world_size, load_kwargs=kwargs,
-            init_process_group=bool(init_process_group), device=device, gpus=gpus, env=env,
-            launch_prefix=[str(p) for p in launch_prefix], shm_dir=shm_dir,
-            keep_free=keep_free_segments,
+            init_process_group=bool(init_process_group), device=device,
+            placement=where_ranks_run, shm_dir=shm_dir, keep_free=keep_free_segments,
             start_timeout=self.start_timeout, call_timeout=self.call_timeout,
-            shutdown_grace=check_grace(shutdown_grace), rank_output=rank_output, ray=ray)
+            shutdown_grace=check_grace(shutdown_grace))
         self._timings = Recorder(world_size)
         self._queue = CallQueue(self._supervisor, max_in_flight, self._timings)
         rejoin = callable(getattr(worker_cls, "rejoin", None))

@@ -43,27 +43,39 @@ OWN_THREAD = re.compile(r'reactor_dist[/\\]rank\.py", line \d+ in wait$')
 STOPPING = "SIGSTOP, SIGTSTP, SIGTTIN or SIGTTOU"  # what may have stopped a process
 
 
-def dumps(procs: list[RankProcess]) -> list[str]:
-    """Each silent rank's stacks (or why there are none), in the order of ``procs``."""
-    stopped = [stopped_note(p) for p in procs]
-    asked = [p for p, note in zip(procs, stopped, strict=True) if note is None]
-    headers = {p.rank: p.output.dump_headers for p in asked}
-    for p in asked:
-        p.output.muted = True
-        with contextlib.suppress(OSError):
-            os.kill(p.launcher_pid, signal.SIGUSR1)
-    deadline = time.monotonic() + DUMP_WAIT
-    while asked and time.monotonic() < deadline:
-        time.sleep(0.01)
-        if all(p.output.dump_headers > headers[p.rank] and
-               time.monotonic() - p.output.last_output > QUIET for p in asked):
-            break
-    late = {p.rank for p in asked if p.output.dump_headers == headers[p.rank]}
-    for p in asked:
-        p.output.late_dump_owed = p.rank in late  # set before the output is unmuted
-        p.output.muted = False
-    return [note or (no_dump(p) if p.rank in late else dump_of(p))
-            for p, note in zip(procs, stopped, strict=True)]
+class Dump:
+    """One silent rank's stacks on their way: SIGUSR1 goes out at once (not to a stopped
+    rank, which gets words instead), and :meth:`text` waits for the dump until
+    :data:`DUMP_WAIT` after it, so that ranks asked one after the other dump side by side
+    (processes.Ranks.stacks asks them all first)."""
+
+    def __init__(self, proc: RankProcess) -> None:
+        self.proc = proc
+        self.stopped = stopped_note(proc)
+        self.headers = proc.output.dump_headers  # the dumps seen before this one
+        self.deadline = time.monotonic() + DUMP_WAIT
+        if self.stopped is None:
+            proc.output.muted = True
+            with contextlib.suppress(OSError):
+                os.kill(proc.launcher_pid, signal.SIGUSR1)
+
+    def complete(self) -> bool:
+        """A new dump began and its rank has written nothing for :data:`QUIET`."""
+        output = self.proc.output
+        return output.dump_headers > self.headers and \
+            time.monotonic() - output.last_output > QUIET
+
+    def text(self) -> str:
+        """The rank's stacks, or why there are none."""
+        if self.stopped is not None:
+            return self.stopped
+        proc = self.proc
+        while time.monotonic() < self.deadline and not self.complete():
+            time.sleep(0.01)
+        late = proc.output.dump_headers == self.headers
+        proc.output.late_dump_owed = late  # set before the output is unmuted
+        proc.output.muted = False
+        return no_dump(proc) if late else dump_of(proc)
 
 
 def stopped_note(proc: RankProcess) -> str | None:

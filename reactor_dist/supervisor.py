@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import zmq
 
-from . import descriptors, shm, stacks, timeouts, transfer, wire
+from . import descriptors, shm, timeouts, transfer
 from .bus import Bus, CommandBlocked, private_dir, reclaim_dead_ipc_dirs
 from .errors import (
     MainGuardMissing,
@@ -44,14 +44,11 @@ from .errors import (
     timeout_error,
 )
 from .ledger import Ledger, Mapped
-from .placement import RayGroup, RaySpec
-from .processes import Ranks, end_ranks, free_port
+from .processes import Placement, Ranks
 from .progress import Display
 from .protocol import (
     COMMANDS,
     GROUP_ABORT_SIGNAL,
-    MAX_FRAME_ENV,
-    MAX_MESSAGE_ENV,
     SECRET_SIZE,
     Bootstrap,
     Delivery,
@@ -100,23 +97,19 @@ class Supervisor:
     (WorkerCrashed, WorkerTimeout) and judges nothing else."""
 
     def __init__(self, *, worker: WorkerRef, world_size: int, load_kwargs: dict[str, Any],
-                 init_process_group: bool, device: str, gpus: list[int] | None,
-                 env: dict[str, str], launch_prefix: list[str], shm_dir: str,
-                 keep_free: int, start_timeout: float | None, shutdown_grace: float,
-                 call_timeout: float | None = 30.0, rank_output: str = "stderr",
-                 ray: RaySpec | None = None) -> None:
+                 init_process_group: bool, device: str, placement: Placement,
+                 shm_dir: str, keep_free: int, start_timeout: float | None,
+                 shutdown_grace: float, call_timeout: float | None = 30.0) -> None:
         self.world_size = world_size
-        self.rank_output = rank_output
+        self.placement = placement  # where the ranks run (placement.placement_for)
         self.secret = os.urandom(SECRET_SIZE)
         self.shm_dir = shm_dir
         self.shm_prefix = shm.new_runner_prefix()
         self.shutdown_grace = shutdown_grace
         self.owner_pid = os.getpid()  # a forked child must never tear down our ranks
-        self.inline_limit = transfer.INLINE_LIMIT  # IN_BAND when a rank is on another node
         self.epoch = 0  # the generation of ranks: +1 per restart (recovery.py)
         self.closing = False  # shutdown() began: a restart in progress gives up
         self.drop_through = 0  # shutdown() with calls in flight: the ranks skip up to it
-        self.master_port = 0  # MASTER_PORT of the ranks (models that form their own group)
         self.devices: list[str] = []  # each rank's device, once started
         self.last_ranks: tuple[RankInfo, ...] = ()  # the ranks' records when they ended
         self.load_seconds: dict[int, float] = {}  # each rank's last load() (READY)
@@ -133,11 +126,13 @@ class Supervisor:
         self._init_process_group, self._device = init_process_group, device
         self._start_timeout, self._keep_free = start_timeout, keep_free
         self._group_timeout = timeouts.for_group(call_timeout)
-        self._env, self._gpus, self._launch_prefix = env, gpus, launch_prefix
-        self._ray = ray
-        self.placement: RayGroup | None = None  # placement="ray": the group Ray placed
-        self._remote: dict[str, Any] = {}  # a Ray-placed rank on another node: its bus
         self.pings_sent = self.inits_sent = 0  # start-up's commands published (stress.py)
+
+    @property
+    def inline_limit(self) -> int:
+        """The size from which a buffer goes through shared memory: never, where a rank
+        cannot map this machine's (transfer.IN_BAND)."""
+        return transfer.INLINE_LIMIT if self.placement.shares_memory else transfer.IN_BAND
 
     def _ours(self, name: str) -> bool:
         return "/" not in name and name.startswith(self.shm_prefix + ".")
@@ -166,19 +161,11 @@ class Supervisor:
         notice names the generation, so that a replaced rank's is known as stale."""
         bus, epoch = self.bus, self.epoch
         assert bus is not None
-        return Ranks(self.world_size, lambda dead: bus.tell_death(dead, epoch),
-                     self.rank_output)
+        return Ranks(lambda dead: bus.tell_death(dead, epoch))
 
     def start_ranks(self, deadline: float, timeout: float | None) -> None:
         assert self.ranks is not None and self.bus is not None
-        # For models that form their own group (init_process_group=False): one port for
-        # all ranks. With our group, rank 0's store binds port 0 and Kind.INIT carries its port.
-        if self._ray is None:
-            self.master_port = free_port()
-            for rank in range(self.world_size):
-                self._spawn(rank, self.master_port)
-        else:
-            self._place(deadline)
+        self.placement.start(self.ranks, self._bootstrap, self.bus, deadline)
         log.info("started %d rank%s (pids %s)", self.world_size, "s" if self.world_size > 1
                  else "", ", ".join(str(p.pid) for p in self.ranks.procs))
         everyone = frozenset(range(self.world_size))
@@ -291,7 +278,7 @@ class Supervisor:
         (reactor_dist.group).  Only for the runner's own group."""
         if self._init_process_group and self.world_size > 1 and self.ranks is not None:
             for rank in ranks:
-                self.ranks.procs[rank].send_signal(GROUP_ABORT_SIGNAL)
+                self.ranks.procs[rank].signal(GROUP_ABORT_SIGNAL, group=False)
 
     def remove_old_stores(self) -> None:
         """A restart formed the group of ``epoch``: the stores of the generations before
@@ -315,24 +302,13 @@ class Supervisor:
         old = self.ranks
         assert old is not None
         old.watch.close()
-        ended = [old.procs[r] for r in ranks if r < len(old.procs)]  # none after a failed restart
-        end_ranks([p for p in ended if not p.hosted], term_grace=0.2)
+        old.end_replaced(ranks)
         self.ranks = self.new_ranks()
         self.inputs.forget(ranks)
         if 0 in ranks:
             self.results.unmap_unused()
             shm.remove_starting(self.shm_dir, f"{self.shm_prefix}.{result_tag(0)}")
-        if self._ray is not None:
-            assert self.placement is not None
-            self.placement.relaunch(ranks, self.ranks, [
-                self._bootstrap(r, **self._placed(r)) for r in ranks],
-                timeouts.for_library(self._start_timeout))
-            return
-        for rank in range(self.world_size):
-            if rank in ranks:
-                self._spawn(rank, self.master_port)
-            else:
-                self.ranks.keep(old.procs[rank])
+        self.placement.restart(ranks, old, self.ranks, self._bootstrap)
 
     def shared_memory_bytes(self) -> int:
         """The input pool's segments and the result segments mapped here, in bytes."""
@@ -362,39 +338,8 @@ class Supervisor:
                      seconds if isinstance(seconds, float) else float("nan"),
                      header.get(Field.DEVICE), extra={"rank": rank, "load_seconds": seconds})
 
-    def _place(self, deadline: float) -> None:
-        """placement="ray": reserve, then start each rank through its host; a rank on
-        another node than this one gets the bus over TCP (CurveZMQ) and in-band payloads."""
-        assert self.bus is not None and self.ranks is not None and self._ray is not None
-        group = self.placement = RayGroup(self.world_size, self._ray, self._device)
-        group.reserve(timeouts.for_library(max(deadline - time.monotonic(), 0.01)),
-                      timeouts.for_library(self._start_timeout))
-        if group.spans_nodes:
-            cmd, reply, server = self.bus.open_tcp(group.address, group.remote_keys())
-            self.inline_limit = transfer.IN_BAND  # a broadcast input reaches every node
-            self._remote = {"cmd_addr": cmd, "reply_addr": reply,
-                            "curve": (server, b"", b""), "shared_memory": False}
-        boots = []
-        for hosted in group.ranks:
-            self.ranks.adopt(hosted)
-            boots.append(self._bootstrap(hosted.rank, **self._placed(hosted.rank)))
-        group.watch(self.ranks.watch.notice)
-        bounds = {MAX_FRAME_ENV: str(wire.MAX_FRAME), MAX_MESSAGE_ENV: str(wire.MAX_MESSAGE)}
-        group.launch(boots, {**bounds, **self._env}, self._launch_prefix,
-                     timeouts.for_library(max(deadline - time.monotonic(), 0.01)))
-
-    def _placed(self, rank: int) -> dict[str, Any]:
-        """A Ray-placed rank's own bootstrap fields: on another node than the runner,
-        the bus over TCP (CurveZMQ); its own GPUs alone (ray_view)."""
-        assert self.placement is not None
-        group, remote = self.placement, self._remote
-        hosted = group.ranks[rank]
-        return dict(master_addr=group.ranks[0].address if remote else "",
-                    device_index=0 if group.own_gpus else None,
-                    **({} if hosted.local else {**remote, "runner_pid": hosted.host_pid}))
-
-    def _bootstrap(self, rank: int, **placed: Any) -> Bootstrap:
-        """Rank ``rank``'s bootstrap; ``placed``: a Ray-placed rank's own fields."""
+    def _bootstrap(self, rank: int) -> Bootstrap:
+        """Rank ``rank``'s bootstrap, with the fields its placement decides."""
         assert self.bus is not None
         fields: dict[str, Any] = dict(
             rank=rank, world_size=self.world_size, secret=self.secret,
@@ -405,13 +350,7 @@ class Supervisor:
             start_timeout=timeouts.for_library(self._start_timeout), keep_free=self._keep_free,
             group_timeout=self._group_timeout,
             sys_path=list(sys.path))
-        return Bootstrap(**{**fields, **placed})
-
-    def _spawn(self, rank: int, master_port: int) -> None:
-        assert self.ranks is not None
-        boot = self._bootstrap(rank)
-        self.ranks.spawn(rank, boot.to_bytes(), master_port=master_port, env=self._env,
-                         gpus=self._gpus, launch_prefix=self._launch_prefix)
+        return Bootstrap(**{**fields, **self.placement.bootstrap_fields(rank)})
 
     def publish_start_command(self, header: dict[str, Any]) -> None:
         """One try at PING, INIT or REJOIN (PING and INIT counted when sent); a full pipe
@@ -483,8 +422,7 @@ class Supervisor:
         stopped ones, else those still running an earlier call (``busy``), else all (ZeroMQ
         does not say whose pipe it is); their records in ``failures``."""
         assert self.ranks is not None and self.bus is not None
-        stopped = [r for r, p in enumerate(self.ranks.procs)
-                   if not p.hosted and stacks.stopped_note(p) is not None]
+        stopped = [r for r, p in enumerate(self.ranks.procs) if p.stopped()]
         suspects = stopped or list(busy) or list(range(self.world_size))
         which = "stopped" if stopped else "still running an earlier call" \
             if busy else "one of them"
@@ -500,9 +438,7 @@ class Supervisor:
         """A restart failed: every rank ends now (the bus and files stay until close())."""
         self._ending()
         if self.ranks is not None:
-            self.ranks.end(0.0)
-        if self.placement is not None:
-            self.placement.end_ranks()
+            self.placement.end_ranks(self.ranks)
 
     def close(self, graceful: bool) -> None:
         """End every process and remove every file; safe to call in any state, twice."""
@@ -525,10 +461,7 @@ class Supervisor:
                     self.bus.publish({Field.KIND: Kind.SHUTDOWN, Field.SEQ: 0},
                                      deadline=began + self.shutdown_grace)
                     grace = max(self.shutdown_grace - (time.monotonic() - began), 0.0)
-            self.ranks.end(grace)
-            if self.placement is not None:
-                self.placement.close(timeouts.for_library(grace))
-                self.placement = None
+            self.placement.close(self.ranks, grace)
             log.info("shut down %d rank%s (%s)", len(procs), "s" if len(procs) != 1 else "",
                      "gracefully" if grace else "without grace")
         if self.releaser is not None:

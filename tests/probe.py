@@ -111,10 +111,15 @@ class Probe:
     @property
     def placed(self) -> list[dict]:
         """placement="ray": each rank's node id, whether it shares this node, its pid
-        and its host actor's pid (on its node)."""
-        group = self._supervisor.placement
+        and its host actor's pid (on its node); [] once shut down."""
+        group = self._supervisor.placement  # a placement.RayGroup
         return [{"rank": h.rank, "node": h.node, "local": h.local, "pid": h.pid,
-                 "host_pid": h.host_pid} for h in (group.ranks if group else [])]
+                 "host_pid": h.host_pid} for h in group.ranks]
+
+    def signal_rank(self, rank: int, sig: int) -> None:
+        """``sig`` to rank ``rank``'s process group through its handle
+        (processes.Rank.signal), wherever the rank runs."""
+        self._supervisor.ranks.procs[rank].signal(sig)
 
     @property
     def tcp_endpoints(self) -> list[str]:

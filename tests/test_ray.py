@@ -359,6 +359,25 @@ def test_placed_ranks_records_and_a_remote_death_as_a_record(cluster):
     assert nothing_reserved()
 
 
+def test_a_remote_rank_signalled_through_its_handle_is_a_crash(cluster):
+    """A rank's handle signals it wherever it runs: a hosted rank's through its host
+    (RankHost.signal), on its node."""
+    runner = placed_runner(call_timeout=60)
+    try:
+        runner.start()
+        remote = Probe(runner).placed[1]
+        assert not remote["local"]
+        Probe(runner).signal_rank(1, signal.SIGKILL)
+        with pytest.raises(WorkerCrashed, match=r"rank 1 .*SIGKILL") as info:
+            runner.generate(Sleep(30))
+        (failure,) = info.value.failures
+        assert (failure.rank, failure.pid, failure.signal) == (1, remote["pid"], signal.SIGKILL)
+    finally:
+        runner.shutdown()
+    assert wait_gone([remote["pid"], remote["host_pid"]], timeout=5) == []
+    assert nothing_reserved()
+
+
 def test_a_remote_hang_is_a_timeout_with_its_stacks(cluster):
     runner = placed_runner(worker=HangsOnRank, load_kwargs={"rank": 1}, call_timeout=2)
     try:
