@@ -38,8 +38,10 @@ class RankProcess(Protocol):
 
 DUMP_WAIT = 0.5  # seconds the silent ranks get to write their dumps
 QUIET = 0.03  # a dump is complete once its rank wrote nothing for this long
-# The first frame of a rank's own runner-watch thread (rank.watch_runner) in a dump.
-OWN_THREAD = re.compile(r'reactor_dist[/\\]rank\.py", line \d+ in wait$')
+# The innermost frame of reactor_dist in a dump of a rank's own threads: the runner watch
+# (rank.watch_runner) and the group's abort thread (group.watch_abort, in signal.sigwait
+# below it), each in its function ``wait``.
+OWN_THREAD = re.compile(r'reactor_dist[/\\](rank|group)\.py", line \d+ in wait$')
 STOPPING = "SIGSTOP, SIGTSTP, SIGTTIN or SIGTTOU"  # what may have stopped a process
 
 
@@ -135,7 +137,8 @@ def without_own_threads(lines: list[str]) -> list[str]:
         if line.strip():
             block.append(line)
             continue
-        if not (len(block) > 1 and OWN_THREAD.search(block[1])):
+        ours = next((frame for frame in block[1:] if "reactor_dist" in frame), "")
+        if not OWN_THREAD.search(ours):  # its innermost frame of ours (below: a library's)
             kept += block + ([line] if block else [])
         block = []
     return kept[:-1] if kept and kept[-1] == "" else kept
