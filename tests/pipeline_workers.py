@@ -92,6 +92,21 @@ class NapOn(Step):
 
 
 @dataclasses.dataclass
+class NapThenExit(Step):
+    """Rank ``rank`` sleeps ``seconds`` and then leaves with os._exit(3) (its reply to
+    the call before has long been written: a reply queued in ZeroMQ when a process
+    _exits at once may never leave it); the others return None at once."""
+
+    rank: int
+    seconds: float
+
+    def run(self, worker):
+        if worker.rank == self.rank:
+            time.sleep(self.seconds)
+            os._exit(3)
+
+
+@dataclasses.dataclass
 class HangOn(Step):
     """Rank ``rank`` never returns; the others return None at once."""
 

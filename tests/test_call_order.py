@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from pipeline_workers import NapOn
+from pipeline_workers import NapOn, NapThenExit
 from restart_workers import FaultAt, Reduces
 
 from reactor_dist import DistributedRunner, WorkerCrashed, WorkerTimeout
@@ -121,7 +121,7 @@ def test_a_death_names_the_call_the_dead_rank_ran_not_the_one_in_front():
     crash is call 2's, and call 1 says that call 2 broke the runner."""
     with runner_of(2) as runner:
         first = runner.submit(NapOn(0, 1.0, "first"))
-        second = runner.submit(FaultAt("exit", 1, "call"))
+        second = runner.submit(NapThenExit(1, 0.3))  # dies while rank 0 naps in call 1
         with pytest.raises(WorkerCrashed) as info:
             second.result(timeout=30)
         assert str(info.value).startswith("rank 1 died during generate() (call 2): "), \
