@@ -195,8 +195,9 @@ def pickle_exception(exc: BaseException) -> bytes | None:
         exc.__traceback__, exc.__context__, exc.__cause__ = saved
 
 
-def rebuild_exception(info: ErrorRecord, data: bytes | None, rank: int) -> BaseException:
-    """The caller-side exception of one rank: the original when possible, else RemoteError."""
+def rebuild_exception(info: ErrorRecord, data: bytes | None, rank: int | str) -> BaseException:
+    """The caller-side exception of one rank (or of a spare: ``rank`` its label, "spare 2"):
+    the original when possible, else RemoteError."""
     exc: BaseException | None = None
     if data is not None:
         try:
@@ -205,8 +206,9 @@ def rebuild_exception(info: ErrorRecord, data: bytes | None, rank: int) -> BaseE
             exc = None
     if not isinstance(exc, BaseException):
         exc = RemoteError(info.type, info.message, info.traceback)
-    exc.__cause__ = RemoteTraceback(f"\n[rank {rank}] remote traceback:\n{info.traceback}")
-    exc.remote_rank = rank  # type: ignore[attr-defined]
+    where = rank if isinstance(rank, str) else f"rank {rank}"
+    exc.__cause__ = RemoteTraceback(f"\n[{where}] remote traceback:\n{info.traceback}")
+    exc.remote_rank = rank if isinstance(rank, int) else None  # type: ignore[attr-defined]
     return exc
 
 

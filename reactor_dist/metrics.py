@@ -218,12 +218,19 @@ class RunnerMetrics(Observer):
             "max_restarts).", labels=["runner"])
         restarts.add_metric([name], runner.restarts)
         yield restarts.name, restarts
+        takeovers = pc.CounterMetricFamily(
+            PREFIX + "spare_takeovers", "Ranks whose place a loaded spare took at a "
+            "restart (no load()).", labels=["runner"])
+        takeovers.add_metric([name], runner.spare_takeovers)
+        yield takeovers.name, takeovers
         for family, doc, value in (
                 ("calls_in_flight", "Calls sent and not yet answered by every rank.",
                  runner.calls_in_flight),
                 ("healthy", "1 while the runner can take calls, else 0.", int(runner.healthy)),
                 ("shared_memory_bytes", "Shared memory this process holds for the runner.",
-                 runner.shared_memory_bytes)):
+                 runner.shared_memory_bytes),
+                ("spares_ready", "Spares loaded and waiting to take a dead rank's place.",
+                 runner.spares_ready)):
             gauge = pc.GaugeMetricFamily(PREFIX + family, doc, labels=["runner"])
             gauge.add_metric([name], value)
             yield gauge.name, gauge

@@ -36,8 +36,9 @@ DUMP_HEADER = re.compile(r"(Current thread|Thread) 0x[0-9a-f]+ \(most recent cal
 class RankOutput:
     """The reader of one rank's output pipe."""
 
-    def __init__(self, rank: int, fd: int, mode: str = "stderr") -> None:
+    def __init__(self, rank: int, fd: int, mode: str = "stderr", label: str = "") -> None:
         self.rank = rank
+        self.label = label or f"rank {rank}"  # its lines' prefix: "rank 1", "spare 0"
         self.to_log = mode == "log"
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.lines_seen = 0
@@ -96,14 +97,14 @@ class RankOutput:
         if self.muted:
             return
         if self._late(line, header):
-            log.debug("[rank %d] (a stack dump that came after its timeout, not shown) %s",
-                      self.rank, line)
+            log.debug("[%s] (a stack dump that came after its timeout, not shown) %s",
+                      self.label, line)
             return
         if self.to_log:
-            rank_log.info("[rank %d] %s", self.rank, line, extra={"rank": self.rank})
+            rank_log.info("[%s] %s", self.label, line, extra={"rank": self.rank})
             return
         try:
-            sys.stderr.write(f"[rank {self.rank}] {line}\n")
+            sys.stderr.write(f"[{self.label}] {line}\n")
             sys.stderr.flush()
         except Exception:
             pass  # a closed stderr must not kill the pump

@@ -141,6 +141,11 @@ class Rank(abc.ABC):
         """Its code runs in process ``pid`` (its PONG says so): another process than the
         one started where a ``launch_prefix`` does not exec the rank."""
 
+    def become(self, rank: int) -> None:
+        """A spare's handle is now rank ``rank``'s (reactor_dist.spares): its records and
+        output say so."""
+        self.rank = rank
+
     @classmethod
     @abc.abstractmethod
     def end_all(cls, ranks: Sequence[Rank], grace: float, term_grace: float) -> None:
@@ -167,8 +172,8 @@ class RankProcess(Rank):
     @classmethod
     def spawn(cls, rank: int, world_size: int, bootstrap: bytes, *, master_port: int,
               env: dict[str, str], gpus: list[int] | None, launch_prefix: list[str],
-              output: str = "stderr", torch_env: dict[str, str] | None = None
-              ) -> RankProcess:
+              output: str = "stderr", torch_env: dict[str, str] | None = None,
+              label: str = "") -> RankProcess:
         """Start rank ``rank``: ``python -P -m reactor_dist.rank`` (behind ``launch_prefix``)
         with the torchrun environment (``torch_env``, else this machine's) and ``env``;
         the bootstrap goes to its stdin, its lines where ``output`` says
@@ -184,10 +189,10 @@ class RankProcess(Rank):
             full_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         prefix = [part.replace("{rank}", str(rank)) for part in launch_prefix]
         cmd = prefix + [sys.executable, *SAFE_PATH]
-        return cls(rank, cmd, full_env, os.getcwd(), bootstrap, output)
+        return cls(rank, cmd, full_env, os.getcwd(), bootstrap, output, label)
 
     def __init__(self, rank: int, cmd: list[str], env: dict[str, str], cwd: str,
-                 bootstrap: bytes, output: str = "stderr") -> None:
+                 bootstrap: bytes, output: str = "stderr", label: str = "") -> None:
         self.rank = rank
         self.mark = f"{os.getpid()}-{id(self):x}-{os.urandom(4).hex()}"
         self.popen = subprocess.Popen(
@@ -204,7 +209,7 @@ class RankProcess(Rank):
             self.pidfd = os.pidfd_open(self.pid)
         self.returncode: int | None = None
         self.launcher_pid = self.pid  # differs when a launch_prefix wraps the rank
-        self.output = RankOutput(rank, self.popen.stdout.fileno(), output)
+        self.output = RankOutput(rank, self.popen.stdout.fileno(), output, label)
         try:  # The secret travels here, never in argv or the environment.
             self.popen.stdin.write(bootstrap)
             self.popen.stdin.close()
@@ -251,7 +256,12 @@ class RankProcess(Rank):
         self.output.drain()
         lines = self.output.report_lines()
         shown = "\n".join(f"    {line}" for line in lines) if lines else "    (no output)"
-        return f"rank {self.rank} (pid {self.pid}) {self.exit_description()}; last output:\n{shown}"
+        return (f"{self.output.label} (pid {self.pid}) {self.exit_description()}; last "
+                f"output:\n{shown}")
+
+    def become(self, rank: int) -> None:
+        self.rank = self.output.rank = rank
+        self.output.label = f"rank {rank}"
 
     def signal(self, sig: int, group: bool = True) -> None:
         if not group:
@@ -492,6 +502,11 @@ class Placement(abc.ABC):
         in the same places; the others keep their handles from ``old``.  ``ranks`` takes
         every rank's handle, in rank order."""
 
+    def start_spare(self, slot: int, gpu: int, bootstrap: Bootstrap, label: str) -> Rank:
+        """Start a spare (reactor_dist.spares) on the ``gpu``-th GPU visible to the ranks,
+        its output's lines prefixed with ``label``; its handle."""
+        raise ValueError("spares= works with placement='local' only: pass spares=0")
+
     def end_ranks(self, ranks: Ranks) -> None:
         """A restart failed: every rank ends now; what the placement holds stays until
         :meth:`close`."""
@@ -531,6 +546,16 @@ class LocalPlacement(Placement):
                 bootstrap: Callable[[int], Bootstrap]) -> None:
         for rank in range(self.world_size):
             ranks.add(self._spawn(rank, bootstrap) if rank in replaced else old.procs[rank])
+
+    def start_spare(self, slot: int, gpu: int, bootstrap: Bootstrap, label: str) -> Rank:
+        # The torchrun environment of its GPU (LOCAL_RANK), with no RANK until it takes
+        # one (the rank's process sets it then); ``{rank}`` of a launch_prefix: its GPU.
+        env = torchrun_env(gpu, self.world_size, self.master_port)
+        env.pop("RANK")
+        return RankProcess.spawn(gpu, self.world_size, bootstrap.to_bytes(),
+                                 master_port=self.master_port, env=self.env, gpus=self.gpus,
+                                 launch_prefix=self.launch_prefix, output=self.output,
+                                 torch_env=env, label=label)
 
     def _spawn(self, rank: int, bootstrap: Callable[[int], Bootstrap]) -> RankProcess:
         return RankProcess.spawn(rank, self.world_size, bootstrap(rank).to_bytes(),

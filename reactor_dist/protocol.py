@@ -25,6 +25,9 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
                                               e.g. "cpu" or "cuda:0", once chosen),
                                               LOAD_SECONDS (load()'s duration, a float),
                                               GROUP_SECONDS (forming the group's)
+    ready     <-   a spare's load() returned  to the spare socket (SPARES_SOCKET), unasked:
+    (spare)        or raised                  RANK (its slot), STATUS, ERROR, DEVICE,
+                                              LOAD_SECONDS, PID
     call      ->   generate() / reset()       METHOD, DESCRIPTORS (input buffers),
                                               RELEASED (result segments the caller let
                                               go), RETIRED (input segments unlinked),
@@ -64,9 +67,10 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
                    raised (the runner stays   arrives: its peers may still be inside the
                    healthy)                   collectives it left; read as it arrives)
     rejoin    ->   restart(), to the ranks    EPOCH (the new group's), PORT (its store's,
-                   that keep their model:     0 on one machine), RANKS (who acts on it);
-                   leave the old group, join  again at the ping pace until each acked
-                   the new one, rejoin()      (progress) or answered
+                   that keep their model:     0 on one machine), RANKS (who acts on it),
+                   leave the old group, join  TAKERS ([slot, rank] pairs: that spare is
+                   the new one, rejoin()      that rank from now on); again at the ping
+                                              pace until each acked (progress) or answered
     rejoined  <-   answer to rejoin           EPOCH, STATUS, ERROR, GROUP_SECONDS,
                                               LOAD_SECONDS (rejoin()'s duration)
     shutdown  ->   graceful shutdown          -
@@ -151,6 +155,7 @@ class Field:
     EPOCH = "ep"
     BEHIND = "bh"
     RANKS = "rks"
+    TAKERS = "tk"  # REJOIN: [[spare slot, rank], ...]: each spare takes that rank's place
 
 
 class Kind:
@@ -304,6 +309,11 @@ class Bootstrap:
     device_index: int | None = None  # its GPU among the visible ones (Ray's: 0)
     # The group's timeout once load() is done (timeouts.for_group); start_timeout before.
     group_timeout: float = 1800.0
+    # A spare (reactor_dist.spares): ``rank`` is its slot (world_size and up, never a
+    # rank's), it loads with no rank and no group, tells ``spare_addr`` when loaded, and
+    # waits for a REJOIN whose TAKERS give it a rank's place.
+    spare: bool = False
+    spare_addr: str = ""
 
     def to_bytes(self) -> bytes:
         data = pickle.dumps(self, protocol=5)
@@ -356,6 +366,8 @@ SEGMENT_PREFIX = "rdist"
 OWNER_LOCK = "lock"
 # The runner's private ipc directory: reactor-dist-<owner pid>-<random>
 IPC_DIR_PREFIX = "reactor-dist-"
+# In it, the socket where spares say they have loaded (reactor_dist.spares)
+SPARES_SOCKET = "spares"
 
 
 def store_file(epoch: int) -> str:

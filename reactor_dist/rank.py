@@ -17,6 +17,11 @@ Life of a rank (messages in :mod:`reactor_dist.protocol`)::
                                     group, join the new one with the new ranks, rejoin())
     Kind.SHUTDOWN -> exit
 
+A spare (``Bootstrap.spare``) loads at once with no rank and no group, says READY on
+the runner's spare socket, and reads every command without acting on it until a REJOIN
+names it in ``Field.TAKERS``: from then on it is that rank, and the REJOIN is its first
+command (join the new group, ``rejoin()``).
+
 The secret never appears in argv or the environment.  Every command is
 authenticated (wire.Channel.unpack) before anything in it is decoded.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import faulthandler
 import inspect
 import logging
@@ -85,8 +91,8 @@ class RankServer:
         self.raised_in = 0
         self.held: collections.deque[tuple[dict[str, Any], list]] = collections.deque()
         # Rank 0's results (owned here); the runner's inputs (mapped here, copy-on-write).
-        self.memory = RankMemory(boot, self.rank, self.send)
-        self.results, self.inputs = self.memory.results, self.memory.inputs
+        # A spare has neither until it takes a rank's place (take_place).
+        self.memory: RankMemory | None = None if boot.spare else self.new_memory()
         self.inside = 0.0  # seconds inside the running generator step (run_steps)
         self.waits: collective_wait.CollectiveWaits | None = None  # with a group
         self.progress = Reporter(self.send)  # Kind.PROGRESS during start-up
@@ -114,7 +120,14 @@ class RankServer:
         self.sub.connect(self.boot.cmd_addr)
         self.push.connect(self.boot.reply_addr)
         self.push_send = wire.direct_send(self.push)
-        self.inbox = self.memory.inbox = Inbox(self.channel, self.sub, self.memory.on_memory)
+        if self.memory is not None:
+            self.inbox = self.memory.inbox = Inbox(self.channel, self.sub,
+                                                   self.memory.on_memory)
+
+    def new_memory(self) -> RankMemory:
+        memory = RankMemory(self.boot, self.rank, self.send)
+        self.results, self.inputs = memory.results, memory.inputs
+        return memory
 
     def send(self, header: dict[str, Any], body: list | tuple = ()) -> None:
         header[Field.RANK] = self.rank
@@ -143,6 +156,9 @@ class RankServer:
         self.connect()
         self.rendezvous = Rendezvous(self.boot, self.private_dir())
         watch_abort(self.rendezvous)
+        if self.boot.spare and not self.wait_as_spare():
+            self.close()
+            return 0
         port = self.open_rendezvous()
         while True:
             if self.held and self.inbox.over(self.raised_in):
@@ -177,6 +193,66 @@ class RankServer:
                 break
         self.close()
         return 0
+
+    # -- a spare -----------------------------------------------------------------------
+    def wait_as_spare(self) -> bool:
+        """A spare: load() now, with no rank and no group, tell the runner's spare
+        socket, then read every command (a spare's pipe must never fill: the bus would
+        stop for the ranks) until a REJOIN gives this process a rank's place (True:
+        it goes on as that rank) or a SHUTDOWN comes (False)."""
+        slot = self.boot.rank
+        tell = wire.bounded(self.ctx.socket(zmq.PUSH))
+        tell.setsockopt(zmq.LINGER, 1000)
+        tell.connect(self.boot.spare_addr)
+        loaded: dict[str, Any] = {Field.KIND: Kind.READY, Field.SEQ: 0, Field.RANK: slot,
+                                  Field.STATUS: Status.OK, Field.PID: os.getpid()}
+        body: list = []
+        try:
+            self.device = loaded[Field.DEVICE] = choose_device(
+                self.boot.device, slot, self.boot.device_index)
+            began = time.perf_counter()
+            self.worker = self.boot_worker(self.device, rank=None)
+            loaded[Field.LOAD_SECONDS] = time.perf_counter() - began
+        except BaseException as exc:
+            loaded[Field.STATUS], loaded[Field.ERROR] = Status.RAISED, describe(exc)
+            body = [pickle_exception(exc) or b""]
+        self.channel.send(tell.send, loaded, body)
+        tell.close()
+        if loaded[Field.STATUS] != Status.OK:
+            return False  # the runner ends this process; nothing to wait for
+        seen = 0  # the last CALL sent while a spare: it and every one before are not ours
+        while True:
+            try:
+                header, _ = self.channel.recv(self.sub)
+            except wire.ProtocolError:
+                continue
+            kind = header[Field.KIND]
+            if kind == Kind.SHUTDOWN:
+                return False
+            if kind in (Kind.CALL, Kind.DROP):
+                seen = max(seen, header[Field.SEQ])
+            elif kind == Kind.REJOIN:
+                place = dict(map(tuple, header.get(Field.TAKERS) or ()))
+                if slot in place:
+                    self.take_place(place[slot], seen, (header, []))
+                    return True
+
+    def take_place(self, rank: int, seen: int, rejoin: tuple[dict[str, Any], list]) -> None:
+        """This spare becomes rank ``rank``; the REJOIN that said so is the first command
+        of its loop (it joins the group and runs ``rejoin()`` there, as a kept rank)."""
+        self.rank = rank
+        self.boot = self.rendezvous.boot = dataclasses.replace(self.boot, rank=rank,
+                                                                spare=False)
+        os.environ["RANK"] = str(rank)
+        self.memory = self.new_memory()
+        self.memory.device = self.device
+        self.inbox = self.memory.inbox = Inbox(self.channel, self.sub, self.memory.on_memory)
+        self.inbox.dropped = self.inbox.answered = self.last_seq = seen
+        self.inbox.backlog.append(rejoin)
+        worker = self.worker
+        worker.rank, worker.is_spare = rank, False
+        if rank == 0:
+            worker._reactor_allocate = self.memory.shared_empty
 
     def start_call(self, header: dict[str, Any], body: list) -> None:
         """Run one CALL, or skip it if a restart dropped it already."""
@@ -224,7 +300,7 @@ class RankServer:
                 self.waits = collective_wait.install(device)
             self.progress.phase(LOADING)
             began = time.perf_counter()
-            self.worker = self.boot_worker(device)
+            self.worker = self.boot_worker(device, self.rank)
             reply[Field.LOAD_SECONDS] = time.perf_counter() - began
             if self.boot.init_process_group and self.world_size > 1:
                 self.rendezvous.serve_calls()
@@ -250,6 +326,8 @@ class RankServer:
             if self.boot.init_process_group and self.world_size > 1:
                 reply[Field.GROUP_SECONDS] = self.rendezvous.rejoin(
                     self.device, self.epoch, header.get(Field.PORT) or 0, ack)
+                if self.waits is None:  # a spare's first group
+                    self.waits = collective_wait.install(self.device)
             else:
                 ack(0)
             began = time.perf_counter()
@@ -263,11 +341,13 @@ class RankServer:
         self.rejoined = (dict(reply), list(body))
         self.send(reply, body)
 
-    def boot_worker(self, device: str) -> Any:
+    def boot_worker(self, device: str, rank: int | None) -> Any:
+        """The worker, loaded as rank ``rank`` (None: a spare's, with no rank yet)."""
         cls = import_worker_class(self.boot.worker)
         worker = cls()
-        worker.rank, worker.world_size, worker.device = self.rank, self.world_size, device
-        if self.rank == 0:
+        worker.rank, worker.world_size, worker.device = rank, self.world_size, device
+        worker.is_spare = rank is None
+        if rank == 0 and self.memory is not None:
             worker._reactor_allocate = self.memory.shared_empty
         worker._reactor_progress = self.progress.report
         worker.load(**pickle.loads(self.boot.load_kwargs))
@@ -389,7 +469,8 @@ class RankServer:
         dist = sys.modules.get("torch.distributed")  # never import torch just to leave
         if dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        self.memory.close()
+        if self.memory is not None:
+            self.memory.close()
         self.sub.close(linger=0)
         self.push.close()
         self.ctx.term()

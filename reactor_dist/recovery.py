@@ -13,11 +13,14 @@ The caller's side of one restart (the call queue holds every call meanwhile)::
       a PING within the grace period (one that does not is stopped, or hangs in the
       model's own code; a rank known dead is not waited for)
     end the others; forget what they held (rank 0 ended: its result segments go)
-    start a replacement per ended rank (same rank, GPU, Ray bundle)
+    a loaded spare takes an ended rank's place, while there is one (reactor_dist.spares)
+    start a replacement per other ended rank (same rank, GPU, Ray bundle)
     PING -> PONG from each replacement (rank 0's: its store port across nodes)
-    rank 0 kept: REJOIN [0] -> PROGRESS (its new store's port)
-    REJOIN [kept], INIT [replaced] (EPOCH, PORT) ------>  kept: leave the old group,
+    rank 0 kept or taken: REJOIN [0] -> PROGRESS (its new store's port)
+    REJOIN [kept, taken], INIT [replaced] (EPOCH, PORT) ->  kept: leave the old group,
                                                            join the new, rejoin()
+                                                          spare (TAKERS): becomes the
+                                                           rank, joins, rejoin()
                                                           replaced: join, load()
     REJOINED (kept), READY (replaced) <----------------
 
@@ -45,6 +48,7 @@ class Restarted(NamedTuple):
     replaced: list[int]  # ranks that got a new process and ran load()
     kept: list[int]  # ranks that kept their process and model (rejoin())
     seconds: float
+    taken: list[int] = []  # ranks whose place a loaded spare took (rejoin(), no load())
 
 
 def restart(supervisor: Supervisor, *, rejoin: bool, grace: float, timeout: float | None,
@@ -68,25 +72,32 @@ def restart(supervisor: Supervisor, *, rejoin: bool, grace: float, timeout: floa
     supervisor.new_epoch()  # deaths from here on are this restart's business
     kept = responsive(supervisor, alive, min(grace, max(deadline - began, 0.0)), other) \
         if rejoin and alive and dropped else []
-    replaced = [r for r in range(supervisor.world_size) if r not in kept]
-    supervisor.replace(replaced)
+    gone = [r for r in range(supervisor.world_size) if r not in kept]
+    spares = supervisor.spares.take(len(gone)) if rejoin else []  # the first ranks get them
+    takers = dict(zip(gone[:len(spares)], spares, strict=True))
+    supervisor.replace(gone, takers)
+    replaced = [r for r in gone if r not in takers]
     epoch = supervisor.epoch
     pongs = supervisor.ping(frozenset(replaced), deadline, timeout, "restart()", other)
     port = (pongs[0][0].get(Field.PORT) or 0) if 0 in pongs else 0
-    rejoin_command = {Field.KIND: Kind.REJOIN, Field.SEQ: 0, Field.EPOCH: epoch}
+    joining = sorted(kept + list(takers))  # each keeps its model: REJOIN, rejoin()
+
+    def rejoin_command(ranks: list[int]) -> dict[str, Any]:
+        return {Field.KIND: Kind.REJOIN, Field.SEQ: 0, Field.EPOCH: epoch, Field.RANKS: ranks,
+                Field.TAKERS: [[takers[r].slot, r] for r in ranks if r in takers]}
+
     progress = frozenset({Kind.PROGRESS})
-    if 0 in kept:  # rank 0 opens the new group's store first (across nodes: a new port)
-        told = supervisor.exchange([Ask({**rejoin_command, Field.RANKS: [0]}, Kind.PROGRESS,
-                                        frozenset({0}))],
+    if 0 in joining:  # rank 0 opens the new group's store first (across nodes: a new port)
+        told = supervisor.exchange([Ask(rejoin_command([0]), Kind.PROGRESS, frozenset({0}))],
                         deadline - time.monotonic(), timeout, "restart()", other=other)
         port = told[0][0].get(Field.PORT) or 0
     asks = [Ask({Field.KIND: Kind.INIT, Field.SEQ: 0, Field.EPOCH: epoch, Field.PORT: port,
                  Field.RANKS: replaced}, Kind.READY, frozenset(replaced), progress)]
-    if kept:
-        others = [r for r in kept if r != 0]
-        asks.append(Ask({**rejoin_command, Field.PORT: port, Field.RANKS: others},
+    if joining:
+        others = [r for r in joining if r != 0]
+        asks.append(Ask({**rejoin_command(others), Field.PORT: port},
                         Kind.REJOINED, frozenset(others), progress))
-        if 0 in kept:  # has its REJOIN: nothing more to send it
+        if 0 in joining:  # has its REJOIN: nothing more to send it
             asks.append(Ask({}, Kind.REJOINED, frozenset({0}), progress))
     answers = supervisor.exchange(asks, deadline - time.monotonic(), timeout, "restart()",
                        first_error=True, other=other)
@@ -96,7 +107,7 @@ def restart(supervisor: Supervisor, *, rejoin: bool, grace: float, timeout: floa
         seconds = answers[rank][0].get(Field.LOAD_SECONDS)
         if isinstance(seconds, float):
             supervisor.load_seconds[rank] = seconds
-    return Restarted(replaced, kept, time.monotonic() - began)
+    return Restarted(replaced, kept, time.monotonic() - began, sorted(takers))
 
 
 def responsive(supervisor: Supervisor, alive: list[int], grace: float,

@@ -44,6 +44,9 @@ def told(done: recovery.Restarted) -> str:
     parts = []
     if done.replaced:
         parts.append(f"new process and load() for rank {', '.join(map(str, done.replaced))}")
+    if done.taken:
+        parts.append(f"a loaded spare took the place of rank "
+                     f"{', '.join(map(str, done.taken))} (rejoin(), no load())")
     if done.kept:
         parts.append(f"rank {', '.join(map(str, done.kept))} kept its model (rejoin())")
     if not done.kept:
@@ -121,7 +124,8 @@ class Restarts:
             log.warning("restart %d%s: %s in %.2f s", self.count, reason, told(done),
                         done.seconds,
                         extra={"restart": self.count, "replaced": done.replaced,
-                               "kept": done.kept, "restart_seconds": done.seconds})
+                               "kept": done.kept, "taken": done.taken,
+                               "restart_seconds": done.seconds})
             queue.restart_ended(None)
         except BaseException as exc:
             if queue.restart_ended(exc):

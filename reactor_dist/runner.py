@@ -95,7 +95,7 @@ class DistributedRunner:
                  shutdown_grace: float = 5.0, rank_output: str = "stderr",
                  placement: str = "local", ray_bundle: dict[str, float] | None = None,
                  ray_strategy: str = "PACK", max_in_flight: int = 2, max_restarts: int = 0,
-                 restart_window: float = 600.0) -> None:
+                 restart_window: float = 600.0, spares: int = 0) -> None:
         check_not_rerunning_main()  # a rank re-running a script without its __main__ guard
         self._world_size = check_world_size(world_size)
         check_methods(worker_cls)
@@ -103,7 +103,8 @@ class DistributedRunner:
         kwargs = check_load_kwargs(load_kwargs)
         self.call_timeout = _check_timeout("call_timeout", call_timeout)
         self.start_timeout = _check_timeout("start_timeout", start_timeout)
-        check_counts(max_in_flight=max_in_flight, max_restarts=max_restarts)
+        check_counts(max_in_flight=max_in_flight, max_restarts=max_restarts, spares=spares)
+        validation.check_spares(spares, worker_cls, placement)
         window = _check_timeout("restart_window", restart_window)
         if window is None:
             raise ValueError("restart_window must be a number of seconds, not None")
@@ -128,7 +129,7 @@ class DistributedRunner:
             init_process_group=bool(init_process_group), device=device,
             placement=where_ranks_run, shm_dir=shm_dir, keep_free=keep_free_segments,
             start_timeout=self.start_timeout, call_timeout=self.call_timeout,
-            shutdown_grace=check_grace(shutdown_grace))
+            shutdown_grace=check_grace(shutdown_grace), spares=spares)
         self._timings = Recorder(world_size)
         self._queue = CallQueue(self._supervisor, max_in_flight, self._timings)
         rejoin = callable(getattr(worker_cls, "rejoin", None))
@@ -148,6 +149,17 @@ class DistributedRunner:
     def restarts(self) -> int:
         """How many times the ranks were brought back (restart(), or max_restarts)."""
         return self._restarts.count
+
+    @property
+    def spares_ready(self) -> int:
+        """Spares loaded and waiting to take a dead rank's place (``spares=``): after a
+        takeover one fewer, until its successor, started in the background, has loaded."""
+        return self._supervisor.spares.ready
+
+    @property
+    def spare_takeovers(self) -> int:
+        """Ranks whose place a loaded spare took at a restart, so far."""
+        return self._supervisor.spares.takeovers
 
     @property
     def calls_in_flight(self) -> int:
@@ -241,6 +253,7 @@ class DistributedRunner:
         of them); ``str()`` is a table."""
         stats = self._timings.stats(reset)
         stats.restarts = self._restarts.count
+        stats.spares_ready, stats.spare_takeovers = self.spares_ready, self.spare_takeovers
         return stats
 
     def reset_stats(self) -> None:

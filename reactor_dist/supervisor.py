@@ -44,12 +44,13 @@ from .errors import (
     timeout_error,
 )
 from .ledger import Ledger, Mapped
-from .processes import Placement, Ranks
+from .processes import Placement, Rank, Ranks
 from .progress import Display
 from .protocol import (
     COMMANDS,
     GROUP_ABORT_SIGNAL,
     SECRET_SIZE,
+    SPARES_SOCKET,
     Bootstrap,
     Delivery,
     ErrorRecord,
@@ -61,6 +62,7 @@ from .protocol import (
     store_file,
 )
 from .releaser import Releaser
+from .spares import Spare, Spares
 
 
 def raise_first_error(answers: Replies) -> None:
@@ -99,7 +101,8 @@ class Supervisor:
     def __init__(self, *, worker: WorkerRef, world_size: int, load_kwargs: dict[str, Any],
                  init_process_group: bool, device: str, placement: Placement,
                  shm_dir: str, keep_free: int, start_timeout: float | None,
-                 shutdown_grace: float, call_timeout: float | None = 30.0) -> None:
+                 shutdown_grace: float, call_timeout: float | None = 30.0,
+                 spares: int = 0) -> None:
         self.world_size = world_size
         self.placement = placement  # where the ranks run (placement.placement_for)
         self.secret = os.urandom(SECRET_SIZE)
@@ -127,6 +130,10 @@ class Supervisor:
         self._start_timeout, self._keep_free = start_timeout, keep_free
         self._group_timeout = timeouts.for_group(call_timeout)
         self.pings_sent = self.inits_sent = 0  # start-up's commands published (stress.py)
+        # Each rank's GPU, as an index among the visible ones: its rank's, until a spare
+        # (which holds a GPU after the ranks') takes its place and keeps its own.
+        self.gpu_of = list(range(world_size))
+        self.spares = Spares(spares, world_size, self.secret, self._start_spare)
 
     @property
     def inline_limit(self) -> int:
@@ -148,6 +155,7 @@ class Supervisor:
         reclaim_dead_ipc_dirs()
         self.ipc_dir, self._dir_lock = private_dir()
         self.bus = Bus(self.secret, self.ipc_dir, self.world_size)
+        self.spares.open(self.bus.ctx, f"ipc://{self.ipc_dir}/{SPARES_SOCKET}")
         self.ranks = self.new_ranks()
         self.display = Display(self.world_size)
         try:
@@ -166,6 +174,7 @@ class Supervisor:
     def start_ranks(self, deadline: float, timeout: float | None) -> None:
         assert self.ranks is not None and self.bus is not None
         self.placement.start(self.ranks, self._bootstrap, self.bus, deadline)
+        self.spares.start(list(range(self.world_size, self.world_size + self.spares.count)))
         log.info("started %d rank%s (pids %s)", self.world_size, "s" if self.world_size > 1
                  else "", ", ".join(str(p.pid) for p in self.ranks.procs))
         everyone = frozenset(range(self.world_size))
@@ -180,6 +189,7 @@ class Supervisor:
             self.devices = [str(ready[r][0].get(Field.DEVICE)) for r in sorted(ready)]
         self.log_ready(ready)
         raise_first_error(ready)
+        self.spares.wait_ready(deadline, timeout)
 
     def exchange(self, asks: list[Ask], timeout: float,
                  stated_timeout: float | None, what: str, first_error: bool = False,
@@ -295,20 +305,34 @@ class Supervisor:
         self.ranks.watch.close()
         self.epoch += 1
 
-    def replace(self, ranks: list[int]) -> None:
-        """restart(), in a new ``epoch``: ``ranks`` get a new process each (same rank,
-        GPU, bundle); the others keep theirs, under a new death watch.  What the ended
-        ranks held is forgotten (rank 0's result segments too)."""
+    def replace(self, ranks: list[int], takers: dict[int, Spare]) -> None:
+        """restart(), in a new ``epoch``: ``ranks`` end; each of them that a spare of
+        ``takers`` takes has that spare's process from now on (on the spare's GPU: the
+        rank's goes to a new spare, started in the background), every other one a new
+        process (same rank, GPU, bundle); the others keep theirs, under a new death watch.
+        What the ended ranks held is forgotten (rank 0's result segments too)."""
         old = self.ranks
         assert old is not None
         old.watch.close()
         old.end_replaced(ranks)
+        freed = []
+        for rank, spare in takers.items():
+            spare.proc.become(rank)
+            old.procs[rank] = spare.proc  # kept from here on, as a survivor is
+            freed.append(self.gpu_of[rank])
+            self.gpu_of[rank] = spare.gpu
+            if spare.device is not None and rank < len(self.devices):
+                self.devices[rank] = spare.device
+            if spare.load_seconds is not None:
+                self.load_seconds[rank] = spare.load_seconds
         self.ranks = self.new_ranks()
         self.inputs.forget(ranks)
         if 0 in ranks:
             self.results.unmap_unused()
             shm.remove_starting(self.shm_dir, f"{self.shm_prefix}.{result_tag(0)}")
-        self.placement.restart(ranks, old, self.ranks, self._bootstrap)
+        self.placement.restart([r for r in ranks if r not in takers], old, self.ranks,
+                               self._bootstrap)
+        self.spares.start_later(freed)
 
     def shared_memory_bytes(self) -> int:
         """The input pool's segments and the result segments mapped here, in bytes."""
@@ -349,8 +373,16 @@ class Supervisor:
             init_process_group=self._init_process_group, device=self._device,
             start_timeout=timeouts.for_library(self._start_timeout), keep_free=self._keep_free,
             group_timeout=self._group_timeout,
-            sys_path=list(sys.path))
+            sys_path=list(sys.path), device_index=self.gpu_of[rank])
         return Bootstrap(**{**fields, **self.placement.bootstrap_fields(rank)})
+
+    def _start_spare(self, slot: int, gpu: int, label: str) -> Rank:
+        """A spare in slot ``slot`` (its name on the bus) on the ``gpu``-th GPU."""
+        assert self.ipc_dir is not None
+        boot = dataclasses.replace(self._bootstrap(0), rank=slot, device_index=gpu,
+                                   spare=True,
+                                   spare_addr=f"ipc://{self.ipc_dir}/{SPARES_SOCKET}")
+        return self.placement.start_spare(slot, gpu, boot, label)
 
     def publish_start_command(self, header: dict[str, Any]) -> None:
         """One try at PING, INIT or REJOIN (PING and INIT counted when sent); a full pipe
@@ -444,6 +476,7 @@ class Supervisor:
         """End every process and remove every file; safe to call in any state, twice."""
         if os.getpid() != self.owner_pid:
             return
+        self.spares.stop()
         self._ending()
         if self.ranks is not None:
             # Exits are expected from here on: no death notices.
@@ -464,6 +497,7 @@ class Supervisor:
             self.placement.close(self.ranks, grace)
             log.info("shut down %d rank%s (%s)", len(procs), "s" if len(procs) != 1 else "",
                      "gracefully" if grace else "without grace")
+        self.spares.close()  # a SHUTDOWN sent above reached them too; before the bus
         if self.releaser is not None:
             self.results.notify = lambda: None  # results may outlive us: no stale pipe
             self.releaser.close()  # before the bus: it may be publishing

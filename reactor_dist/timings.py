@@ -153,6 +153,8 @@ class Stats:
         self.overhead = Summary([c.overhead for c in calls])
         self.wall = Summary([c.wall for c in calls])
         self.restarts = 0  # the runner's restarts so far (set by runner.stats())
+        self.spares_ready = 0  # spares loaded and waiting now (set by runner.stats())
+        self.spare_takeovers = 0  # ranks whose place a spare took (set by runner.stats())
 
     def __str__(self) -> str:
         rows = [("", "count", "p50 ms", "p90 ms", "p99 ms")]

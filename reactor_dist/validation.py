@@ -22,16 +22,35 @@ log = logging.getLogger("reactor_dist")
 _warned_auto_cpu = False
 
 
+COUNTS = {  # each count option: its least value, and what it counts
+    "max_in_flight": (1, "calls sent to the ranks and not yet answered; 1: one at a time"),
+    "max_restarts": (0, "restarts by itself within restart_window; 0: never"),
+    "spares": (0, "loaded processes waiting to take a dead rank's place; 0: none"),
+}
+
+
 def check_counts(**counts: Any) -> None:
-    """``max_in_flight`` (calls sent and not yet answered; 1: one at a time) is an int
-    >= 1, ``max_restarts`` (restarts by itself within restart_window; 0: never) >= 0."""
+    """Each count option (:data:`COUNTS`) is an int, at least its least value."""
     for name, value in counts.items():
-        least = 1 if name == "max_in_flight" else 0
+        least, what = COUNTS[name]
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            what = "calls sent to the ranks and not yet answered; 1: one at a time" \
-                if name == "max_in_flight" else \
-                "restarts by itself within restart_window; 0: never"
             raise ValueError(f"{name} must be an int >= {least} ({what}), got {value!r}")
+
+
+def check_spares(spares: int, worker_cls: type, placement: str) -> None:
+    """A spare takes a rank's place through the worker's ``rejoin()``, and only where
+    the ranks run as local processes."""
+    if not spares:
+        return
+    if not callable(getattr(worker_cls, "rejoin", None)):
+        raise ValueError(
+            f"spares={spares} needs a rejoin(self) method on {worker_cls.__qualname__}: a "
+            f"spare loads with rank None and takes a dead rank's place at a restart, where "
+            f"rejoin() runs on it with its new self.rank (define rejoin(), even an empty "
+            f"one when nothing in the model depends on the rank; or pass spares=0)")
+    if placement != "local":
+        raise ValueError(f"spares= works with placement='local' only, not {placement!r}: "
+                         f"pass spares=0")
 
 
 def check_devices(device: Any, gpus: Any, rank_output: Any,

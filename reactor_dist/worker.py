@@ -27,12 +27,15 @@ class DistributedWorker:
 
     ``rank``, ``world_size`` and ``device`` are set by the runner before
     ``load()``.  ``generate`` runs on every rank with the same input; only rank
-    0's return value reaches the caller.
+    0's return value reaches the caller.  A spare (``DistributedRunner(spares=N)``)
+    loads with ``rank`` None and ``is_spare`` true, and gets its rank just before the
+    ``rejoin()`` in which it takes a dead rank's place.
     """
 
-    rank: int = 0
+    rank: int | None = 0
     world_size: int = 1
     device: str = "cpu"
+    is_spare: bool = False
     _reactor_allocate = None  # set by the rank's serve loop: rank 0's shared-memory allocator
     _reactor_progress = None  # set by the rank's serve loop: sends Kind.PROGRESS
 

@@ -211,3 +211,36 @@ class DiesOnEveryCall(DistributedWorker):
 
     def reset(self) -> None:
         pass
+
+
+class SpareAware(ReducesAndRejoins):
+    """ReducesAndRejoins that also appends, at each load() and rejoin(), what the worker
+    saw to ``<state_dir>/seen``, one JSON list a line: what, pid, rank, is_spare,
+    is_leader, whether torch.distributed had a group, the RANK variable."""
+
+    def load(self, **kwargs) -> None:
+        super().load(**kwargs)
+        self.saw("load")
+
+    def rejoin(self) -> None:
+        super().rejoin()
+        self.saw("rejoin")
+
+    def saw(self, what: str) -> None:
+        import json
+        import sys
+
+        dist = sys.modules.get("torch.distributed")
+        grouped = bool(dist is not None and dist.is_initialized())
+        with open(os.path.join(self.state_dir, "seen"), "a") as f:
+            f.write(json.dumps([what, os.getpid(), self.rank, self.is_spare, self.is_leader,
+                                grouped, os.environ.get("RANK")]) + "\n")
+
+
+class SpareLoadRaises(ReducesAndRejoins):
+    """A spare's load() (rank None) raises ValueError; the ranks' load fine."""
+
+    def load(self, **kwargs) -> None:
+        if self.rank is None:
+            raise ValueError("this model cannot load without a rank")
+        super().load(**kwargs)

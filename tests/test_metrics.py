@@ -111,6 +111,8 @@ def test_every_counter_and_histogram_after_a_known_sequence_of_calls():
     assert of(s, "reactor_dist_rank_deaths_total", rank=0, **label) == 0
     assert of(s, "reactor_dist_rank_deaths_total", rank=1, **label) == 1
     assert of(s, "reactor_dist_restarts_total", **label) == 1
+    assert of(s, "reactor_dist_spare_takeovers_total", **label) == 0  # no spares=
+    assert of(s, "reactor_dist_spares_ready", **label) == 0
     assert of(s, "reactor_dist_healthy", **label) == 1
     assert of(s, "reactor_dist_calls_in_flight", **label) == 0
     assert of(s, "reactor_dist_shared_memory_bytes", **label) >= 0
@@ -127,6 +129,7 @@ def test_every_counter_and_histogram_after_a_known_sequence_of_calls():
                                   "reactor_dist_stream_first_item_seconds")
           for part in ("bucket", "count", "sum")),
         "reactor_dist_rank_deaths_total", "reactor_dist_restarts_total",
+        "reactor_dist_spare_takeovers_total", "reactor_dist_spares_ready",
         "reactor_dist_calls_in_flight", "reactor_dist_healthy",
         "reactor_dist_shared_memory_bytes", "reactor_dist_load_seconds",
         "reactor_dist_info"}
