@@ -46,6 +46,13 @@ class Probe:
         return [p.pid for p in ranks.procs] if ranks is not None else []
 
     @property
+    def ready_spare_pids(self) -> list[int]:
+        """The pids of the spares loaded and waiting (spares.Spares), oldest first."""
+        with self._supervisor.spares.lock:
+            return [s.proc.pid for s in self._supervisor.spares.spares
+                    if s.ready and s.proc.alive()]
+
+    @property
     def launcher_pids(self) -> list[int]:
         """Where each rank's code runs (differs from rank_pids under a wrapping prefix)."""
         ranks = self._supervisor.ranks

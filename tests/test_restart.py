@@ -139,7 +139,7 @@ def recovers(runner: DistributedRunner, mode: str, count: int, exc: BaseExceptio
     """After the fault: restart() or the runner's own restart gives a healthy runner that
     answers ``x`` as a fresh one does."""
     ws = runner.world_size
-    if mode in ("restart", "rejoin"):
+    if mode in ("restart", "rejoin", "spare"):
         assert not runner.healthy
         with pytest.raises(RuntimeError, match="unusable"):
             runner.generate(x)
@@ -160,13 +160,16 @@ QUICK = {("sigkill", 1, "restart"), ("segv", 0, "restart"), ("exit", 2, "auto"),
          ("desync", 0, "auto"), ("hang", 1, "rejoin")}
 # "auto": max_restarts=1, with a restart_window shorter than any restart, so that each of
 # the four faults of one lifetime finds the budget free (test_a_crash_loop_... checks it).
+# "spare": restart() of a worker with rejoin() and one spare, which takes the failed
+# rank's place at each restart (its successor has loaded before the next fault).
 MODES = {"restart": dict(max_restarts=0), "rejoin": dict(worker=ReducesAndRejoins),
-         "auto": dict(max_restarts=1, restart_window=0.01)}
+         "auto": dict(max_restarts=1, restart_window=0.01),
+         "spare": dict(worker=ReducesAndRejoins, spares=1)}
 
 
 def _cells():
     for mode, world_size, ranks in (("restart", 2, (0, 1)), ("auto", 3, (0, 2)),
-                                    ("rejoin", 3, (0, 1))):
+                                    ("rejoin", 3, (0, 1)), ("spare", 3, (0, 2))):
         for means in MEANS:
             for rank in ranks:
                 marks = [pytest.mark.timeout(300)]
@@ -180,7 +183,8 @@ def _cells():
 def test_each_fault_then_a_healthy_runner(means, rank, mode, world_size, tmp_path):
     """``rejoin``: restart() of a worker with rejoin(); which survivors keep their process
     depends on where the fault left them (test_with_rejoin_... checks that), but the
-    failed rank always gets a new one."""
+    failed rank always gets a new one.  ``spare``: that new one is the spare's, loaded
+    before the fault (a desync's rank is alive and keeps its own)."""
     runner = make_runner(world_size, **MODES[mode])
     try:
         runner.start()
@@ -191,6 +195,11 @@ def test_each_fault_then_a_healthy_runner(means, rank, mode, world_size, tmp_pat
                 continue  # a desync needs a call
             story = f"{means} on rank {rank} at {where}"
             victim = Probe(runner).rank_pids[rank]
+            if mode == "spare":  # the successor of the last one taken has loaded
+                deadline = time.monotonic() + WAIT
+                while not Probe(runner).ready_spare_pids and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                [spare] = Probe(runner).ready_spare_pids
             exc, items = make_fault(runner, means, rank, where, tmp_path)
             assert type(exc) is expected_error(means, where), f"{story}: {exc!r}"
             assert items == [stream_item(world_size, i) for i in range(len(items))], story
@@ -199,6 +208,10 @@ def test_each_fault_then_a_healthy_runner(means, rank, mode, world_size, tmp_pat
             recovers(runner, mode, count, exc, x=count)
             if means != "desync":
                 assert Probe(runner).rank_pids[rank] != victim, story
+            if mode == "spare":
+                took = means != "desync"
+                assert (Probe(runner).rank_pids[rank] == spare) is took, story
+                assert runner.spare_takeovers == (count if took else 0), story
     finally:
         runner.shutdown()
     assert not runner.healthy
