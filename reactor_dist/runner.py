@@ -75,9 +75,12 @@ class DistributedRunner:
     ``{rank}`` substituted), ``shm_dir``, ``keep_free_segments`` (idle warm
     segments each pool keeps), ``shutdown_grace`` (seconds the ranks of a healthy
     runner get to exit before SIGTERM), ``max_in_flight`` (calls sent and not yet answered,
-    at most: see :meth:`submit`) and ``rank_output`` ("stderr": each rank's lines,
+    at most: see :meth:`submit`), ``rank_output`` ("stderr": each rank's lines,
     ``[rank N]``-prefixed, on this process's stderr; "log": as INFO records of the
-    ``reactor_dist.rank`` logger).
+    ``reactor_dist.rank`` logger), ``max_restarts`` and ``restart_window`` (restarts by
+    itself after a fault, at most that many within that many seconds) and ``spares``
+    (processes loaded with no rank, each of which takes a dead rank's place at a restart:
+    see :meth:`restart`).
 
     ``placement="ray"`` places the ranks on a Ray cluster (``ray.init(address="auto")``
     unless Ray is initialised here): one placement group of ``world_size`` bundles of
@@ -104,11 +107,11 @@ class DistributedRunner:
         self.call_timeout = _check_timeout("call_timeout", call_timeout)
         self.start_timeout = _check_timeout("start_timeout", start_timeout)
         check_counts(max_in_flight=max_in_flight, max_restarts=max_restarts, spares=spares)
-        validation.check_spares(spares, worker_cls, placement)
         window = _check_timeout("restart_window", restart_window)
         if window is None:
             raise ValueError("restart_window must be a number of seconds, not None")
         gpus = check_devices(device, gpus, rank_output, world_size)
+        validation.check_spares(spares, worker_cls, placement, gpus, world_size)
         ray = check_ray_options(placement, ray_bundle, ray_strategy)
         validation.check_placed_options(ray is not None, gpus, rank_output)
         validation.warn_if_cores_short(world_size, device, placement)
@@ -346,7 +349,9 @@ class DistributedRunner:
         A worker class that defines ``rejoin(self)`` keeps the ranks that are alive and
         answer within ``shutdown_grace``: they leave the old torch.distributed group,
         join a new one with the replacement ranks and run ``rejoin()``; only the others
-        get a new process and ``load()``.  Without it every rank is started again.  Calls
+        get a new process and ``load()`` (with ``spares=``: a loaded spare's process,
+        while there is one, with ``rejoin()`` and no ``load()``).  Without it every rank
+        is started again.  Calls
         in flight fail; ``timeout`` (default ``start_timeout``) bounds it all.  Raises
         what start() would (the runner stays unusable)."""
         timeout = self.start_timeout if timeout is ... else _check_timeout("timeout", timeout)

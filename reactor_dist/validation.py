@@ -37,11 +37,17 @@ def check_counts(**counts: Any) -> None:
             raise ValueError(f"{name} must be an int >= {least} ({what}), got {value!r}")
 
 
-def check_spares(spares: int, worker_cls: type, placement: str) -> None:
-    """A spare takes a rank's place through the worker's ``rejoin()``, and only where
-    the ranks run as local processes."""
+def check_spares(spares: int, worker_cls: type, placement: str,
+                 gpus: list[int] | None, world_size: int) -> None:
+    """A spare takes a rank's place through the worker's ``rejoin()``, only where the
+    ranks run as local processes, and holds a GPU of its own (``gpus``' entries after
+    the ranks')."""
     if not spares:
         return
+    if gpus is not None and len(gpus) < world_size + spares:
+        raise ValueError(f"gpus={gpus} names {len(gpus)} GPUs for {world_size} ranks and "
+                         f"{spares} spare{'s' * (spares != 1)}; give one GPU per rank, then "
+                         f"one per spare")
     if not callable(getattr(worker_cls, "rejoin", None)):
         raise ValueError(
             f"spares={spares} needs a rejoin(self) method on {worker_cls.__qualname__}: a "

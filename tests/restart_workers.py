@@ -216,7 +216,8 @@ class DiesOnEveryCall(DistributedWorker):
 class SpareAware(ReducesAndRejoins):
     """ReducesAndRejoins that also appends, at each load() and rejoin(), what the worker
     saw to ``<state_dir>/seen``, one JSON list a line: what, pid, rank, is_spare,
-    is_leader, whether torch.distributed had a group, the RANK variable."""
+    is_leader, whether torch.distributed had a group, the RANK and LOCAL_RANK variables
+    (LOCAL_RANK: the GPU index a process holds)."""
 
     def load(self, **kwargs) -> None:
         super().load(**kwargs)
@@ -234,7 +235,8 @@ class SpareAware(ReducesAndRejoins):
         grouped = bool(dist is not None and dist.is_initialized())
         with open(os.path.join(self.state_dir, "seen"), "a") as f:
             f.write(json.dumps([what, os.getpid(), self.rank, self.is_spare, self.is_leader,
-                                grouped, os.environ.get("RANK")]) + "\n")
+                                grouped, os.environ.get("RANK"),
+                                os.environ.get("LOCAL_RANK")]) + "\n")
 
 
 class SpareLoadRaises(ReducesAndRejoins):

@@ -25,7 +25,8 @@ WAIT = 60.0  # for a spare started in the background to load (two cores, torch i
 
 
 def seen(state_dir) -> list[list]:
-    """SpareAware's records: [what, pid, rank, is_spare, is_leader, grouped, RANK]."""
+    """SpareAware's records: [what, pid, rank, is_spare, is_leader, grouped, RANK,
+    LOCAL_RANK]."""
     path = os.path.join(str(state_dir), "seen")
     with open(path) as f:
         return [json.loads(line) for line in f]
@@ -58,6 +59,9 @@ def test_spares_need_rejoin_a_count_and_local_ranks():
     with pytest.raises(ValueError, match="spares= works with placement='local' only, not "
                                          "'ray': pass spares=0"):
         DistributedRunner(ReducesAndRejoins, world_size=2, spares=1, placement="ray")
+    with pytest.raises(ValueError, match=r"gpus=\[0, 1, 2\] names 3 GPUs for 2 ranks and 2 "
+                                         r"spares; give one GPU per rank, then one per spare"):
+        DistributedRunner(ReducesAndRejoins, world_size=2, spares=2, gpus=[0, 1, 2])
     DistributedRunner(ReducesAndRejoins, world_size=2, spares=0)  # no rejoin() needed
 
 
@@ -71,9 +75,10 @@ def test_a_spare_loads_with_no_rank_and_takes_the_place_of_the_dead_rank(tmp_pat
         assert runner.spares_ready == 1
         [spare] = spare_pids(tmp_path)
         assert spare not in pids and psutil.Process(spare).ppid() == os.getpid()
-        # The spare's load(): no rank, is_spare, not the leader, no torch group, no RANK.
+        # The spare's load(): no rank, is_spare, not the leader, no torch group, no RANK;
+        # the GPU after the ranks' (LOCAL_RANK 3).
         assert [r for r in seen(tmp_path) if r[1] == spare] == \
-            [["load", spare, None, True, False, False, None]]
+            [["load", spare, None, True, False, False, None, "3"]]
         os.kill(pids[1], signal.SIGKILL)
         assert wait_gone([pids[1]]) == []
         with caplog.at_level(logging.WARNING, logger="reactor_dist"):
@@ -81,10 +86,11 @@ def test_a_spare_loads_with_no_rank_and_takes_the_place_of_the_dead_rank(tmp_pat
         after = runner.generate(Pid())
         assert after == [(pids[0], 1, 1), (spare, 1, 1), (pids[2], 1, 1)]
         assert runner.generate(2.0) == reduced(3, 2.0)
-        # It became rank 1 before its rejoin(), inside the new group; one load() alone.
+        # It became rank 1 before its rejoin(), inside the new group, on its own GPU;
+        # one load() alone.
         assert [r for r in seen(tmp_path) if r[1] == spare] == \
-            [["load", spare, None, True, False, False, None],
-             ["rejoin", spare, 1, False, False, True, "1"]]
+            [["load", spare, None, True, False, False, None, "3"],
+             ["rejoin", spare, 1, False, False, True, "1", "3"]]
         assert lines(tmp_path / "load-1") == [pids[1]]
         assert [r.getMessage() for r in caplog.records if getattr(r, "restart", None)] == \
             [r.getMessage() for r in caplog.records
@@ -97,6 +103,8 @@ def test_a_spare_loads_with_no_rank_and_takes_the_place_of_the_dead_rank(tmp_pat
         assert wait_for(lambda: runner.spares_ready == 1)
         successor = [p for p in spare_pids(tmp_path) if p != spare]
         assert len(successor) == 1 and successor[0] not in [pid for pid, _, _ in after]
+        # ... on the GPU that rank 1 left.
+        assert [r[-1] for r in seen(tmp_path) if r[1] == successor[0]] == ["1"]
         assert runner.stats().spares_ready == 1
         assert runner.generate(1.0) == reduced(3, 1.0)
     assert wait_gone(pids + [spare] + successor) == []
@@ -115,7 +123,7 @@ def test_an_automatic_restart_gives_rank_0s_place_to_a_spare(tmp_path):
         assert runner.generate(Pid(), timeout=120) == [(spare, 1, 1), (pids[1], 1, 1)]
         assert runner.generate(3.0) == reduced(2, 3.0)
         assert [r for r in seen(tmp_path) if r[1] == spare][1] == \
-            ["rejoin", spare, 0, False, True, True, "0"]
+            ["rejoin", spare, 0, False, True, True, "0", "2"]
         assert runner.restarts == 1 and runner.spare_takeovers == 1
         assert wait_for(lambda: runner.spares_ready == 1)
         registry = CollectorRegistry()
