@@ -44,7 +44,7 @@ import psutil
 from . import stacks
 from .errors import RankFailure, RankInfo
 from .output import RankOutput
-from .protocol import MARK_ENV, Bootstrap, torchrun_env
+from .protocol import GROUP_ABORT_SIGNAL, MARK_ENV, Bootstrap, torchrun_env
 
 if TYPE_CHECKING:
     from .bus import Bus
@@ -52,12 +52,18 @@ if TYPE_CHECKING:
 # Python 3.10 has no process_group=: a new session also makes a new process group.
 OWN_PROCESS_GROUP: dict[str, Any] = (
     {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True})
-# A rank never looks in the working directory for modules: ``-m`` would put it first on
-# sys.path, and whoever may write there would run code in the rank before the bootstrap
-# is read.  The rank then takes the caller's own sys.path from the bootstrap.
-SAFE_PATH: list[str] = (["-P", "-m", "reactor_dist.rank"] if sys.version_info >= (3, 11) else
-                        ["-c", "import sys; del sys.path[0]; import runpy; "
-                               "runpy.run_module('reactor_dist.rank', run_name='__main__')"])
+# A rank never looks in the working directory for modules: ``-m`` or ``-c`` would put
+# it first on sys.path, and whoever may write there would run code in the rank before
+# the bootstrap is read.  The rank then takes the caller's own sys.path from the bootstrap.
+# Its first statement blocks GROUP_ABORT_SIGNAL, before any import: a thread started
+# by an import (numpy's OpenBLAS starts one per core as reactor_dist's package imports
+# it) would otherwise have it unblocked, take it at a restart, and its default action
+# would end the survivor it was meant to release (reactor_dist.group).
+RANK_MAIN = (f"import signal; signal.pthread_sigmask(signal.SIG_BLOCK, "
+             f"{{{int(GROUP_ABORT_SIGNAL)}}}); import runpy; "
+             f"runpy.run_module('reactor_dist.rank', run_name='__main__', alter_sys=True)")
+SAFE_PATH: list[str] = (["-P", "-c", RANK_MAIN] if sys.version_info >= (3, 11) else
+                        ["-c", "import sys; del sys.path[0]; " + RANK_MAIN])
 POLL_MS = 20  # how often the watch checks ranks it has no pidfd for
 HOSTNAME = socket.gethostname()  # where the local ranks run
 TERM_GRACE = 2.0  # seconds from SIGTERM to SIGKILL when the ranks end

@@ -137,3 +137,38 @@ def test_restarts_that_replace_nobody_say_so_and_leave_no_old_store(tmp_path, ca
         assert [pid for pid, _, _ in runner.generate(Pid())] == pids
         assert runner.generate(1.0) == reduced(2, 1.0)
     assert wait_gone(pids) == []
+
+
+def blocked_in_every_thread(pid: int, sig: int) -> list[bool]:
+    """For each thread of process ``pid``: whether ``sig`` is in its blocked mask."""
+    found = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
+        found.append(bool(mask & (1 << (int(sig) - 1))))
+    return found
+
+
+def test_threads_a_library_starts_at_import_never_take_the_abort_signal(tmp_path):
+    """With OPENBLAS_NUM_THREADS=4 numpy's OpenBLAS starts threads as the package
+    imports numpy, before the rank's own code runs: the signal is blocked in every one
+    of them (the rank's command blocks it first), so at a restart it releases the
+    survivors instead of ending them (its default action).  One thread shows it
+    unblocked: the abort thread, inside sigwait (the kernel unblocks what a thread
+    waits for there)."""
+    from reactor_dist.protocol import GROUP_ABORT_SIGNAL
+
+    runner = make_runner(3, ReducesAndRejoins, load_kwargs={"state_dir": str(tmp_path)},
+                         env={"OPENBLAS_NUM_THREADS": "4"})
+    with runner:
+        pids = [pid for pid, _, _ in runner.generate(Pid())]
+        for pid in pids:
+            blocked = blocked_in_every_thread(pid, GROUP_ABORT_SIGNAL)
+            assert len(blocked) >= 6 and blocked.count(False) == 1, (pid, blocked)
+        os.kill(pids[1], signal.SIGKILL)
+        assert wait_gone([pids[1]]) == []
+        runner.restart()
+        after = runner.generate(Pid())
+        assert after[0] == (pids[0], 1, 1) and after[2] == (pids[2], 1, 1)
+        assert runner.generate(1.0) == reduced(3, 1.0)
+    assert wait_gone(pids + [after[1][0]]) == []
