@@ -46,7 +46,7 @@ class Settings:
     baseline_transfer_warmup: int = 1
     baseline_transfer_iters: tuple[int, ...] = (30, 12, 7)
     crash_trials: int = 8
-    recovery_trials: int = 2  # each of (a), (b), (c) per trial, in alternating order
+    recovery_trials: int = 2  # each recovery case per trial, in alternating order
     timeout_trials: int = 3
     call_timeout_s: float = 0.5
     sink_world_sizes: tuple[int, ...] = (2, 4)  # input broadcast

@@ -213,6 +213,8 @@ class RankServer:
             began = time.perf_counter()
             self.worker = self.boot_worker(self.device, rank=None)
             loaded[Field.LOAD_SECONDS] = time.perf_counter() - began
+            if self.boot.init_process_group and self.world_size > 1:
+                import torch.distributed  # noqa: F401  (now, not on the takeover's path)
         except BaseException as exc:
             loaded[Field.STATUS], loaded[Field.ERROR] = Status.RAISED, describe(exc)
             body = [pickle_exception(exc) or b""]
