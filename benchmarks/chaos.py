@@ -51,6 +51,7 @@ class Tally:
     restart_seconds: list[float] = field(default_factory=list)
     kept: int = 0
     replaced: int = 0
+    taken: int = 0  # ranks whose place a spare took (--spares)
     restart_failed: int = 0  # "the runner could not restart" log records
     restart_cut: int = 0  # the same, as shutdown() ended a restart in progress
     explicit: int = 0  # restart() calls the harness made (an unusable runner)
@@ -88,6 +89,7 @@ class Soak:
             t.restart_seconds.append(record.restart_seconds)
             t.kept += len(record.kept)
             t.replaced += len(record.replaced)
+            t.taken += len(record.taken)
         elif "shut down" in record.getMessage():
             t.restart_cut += 1
         else:
@@ -191,13 +193,15 @@ class Soak:
         self.tally.lifetimes += 1
         in_flight, budget = rng.choice([2, 3]), rng.choice([2, 1000])
         worker = ChaosRejoins if rng.random() < 0.75 else ChaosWorker
+        spares = args.spares if worker is ChaosRejoins else 0  # a spare needs rejoin()
         print(f"lifetime {self.life}: {scenario} ws={ws} max_in_flight={in_flight} "
-              f"max_restarts={budget} {worker.__name__}", flush=True)
+              f"max_restarts={budget} spares={spares} {worker.__name__}", flush=True)
         runner = DistributedRunner(
             worker, world_size=ws, device="cpu", call_timeout=args.call_timeout,
             start_timeout=args.start_timeout, shutdown_grace=args.shutdown_grace,
             max_in_flight=in_flight, max_restarts=budget, restart_window=600.0,
-            rank_output="log", env={"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
+            rank_output="log", env={"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"},
+            spares=spares)
         faults = self.faults = Faults(random.Random(rng.getrandbits(64)), ws, args.call_timeout,
                         self.tally.faults, args.faults, args.fault_every)
         try:
@@ -448,6 +452,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="seconds per runner (default: --seconds / 12, within 10-90)")
     ap.add_argument("-v", "--verbose", action="store_true",
                     help="also print the runner's other WARNING and ERROR records")
+    ap.add_argument("--spares", type=int, default=0,
+                    help="spares= of the runners whose worker has rejoin() (default 0)")
     ap.add_argument("--call-timeout", type=float, default=3.0)
     ap.add_argument("--start-timeout", type=float, default=60.0)
     ap.add_argument("--shutdown-grace", type=float, default=3.0)

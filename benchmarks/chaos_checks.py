@@ -305,6 +305,7 @@ def table(tallies: dict) -> str:
                    f"{max(every):.2f}" if every else "-"))
     out.append(row("  ranks kept (rejoin())", lambda t: t.kept))
     out.append(row("  ranks replaced", lambda t: t.replaced))
+    out.append(row("  ranks taken by a spare", lambda t: t.taken))
     out.append(row("  restarts that failed", lambda t: t.restart_failed))
     out.append(row("  restarts cut short by shutdown()", lambda t: t.restart_cut))
     out.append(row("  restart() by the harness", lambda t: t.explicit))
