@@ -102,7 +102,8 @@ bench-per-call: venv
 bench-pipelined: venv
 	$(PY) -m benchmarks.pipelined
 
-# The recovery rows alone (issue 21): a new runner, restart(), restart() with rejoin().
+# The recovery rows alone (issues 21, 31): a new runner, restart(), restart() with rejoin()
+# (also with the victim inside a collective), restart() with a spare (2 s and 10 s load()).
 bench-recovery: venv
 	$(PY) -m benchmarks.recovery
 

@@ -1,6 +1,7 @@
 """``python -m benchmarks.recovery [--trials N]``: ``make bench``'s recovery rows alone
 (benchmarks/families/recovery.py): (a) a brand-new runner, (b) ``restart()``, (c)
-``restart()`` with ``rejoin``, from an idle rank's SIGKILL to the next answered call."""
+``restart()`` with ``rejoin`` (also with the victim inside a collective), (d)
+``restart()`` with a spare, from a rank's SIGKILL to the next answered call."""
 
 from __future__ import annotations
 
