@@ -41,6 +41,11 @@ LOOK_EVERY = 0.1  # seconds between two looks at the spares (deaths, stops, star
 SPARE_TERM_GRACE = 0.5  # a spare being ended holds nothing worth a long grace
 
 
+def spare_label(slot: int) -> str:
+    """How logs, errors and its output lines name a spare: "spare 3"."""
+    return f"spare {slot}"
+
+
 @dataclass
 class Spare:
     """One spare process: its slot (its name on the bus: world_size and up, never
@@ -55,7 +60,7 @@ class Spare:
 
     @property
     def label(self) -> str:
-        return f"spare {self.slot}"
+        return spare_label(self.slot)
 
 
 class Spares:
@@ -73,7 +78,6 @@ class Spares:
         self.wanted: list[int] = []  # GPU indices to start a spare on, in the background
         self.next_slot = world_size
         self.takeovers = 0  # ranks whose place a spare took
-        self.replaced = 0  # spares that died (or were stopped) and got a successor
         self.failed: BaseException | None = None  # a spare's load() raised: none is started
         self.closed = False
         self.pull: zmq.Socket | None = None
@@ -152,8 +156,7 @@ class Spares:
     def _start(self, gpu: int) -> None:
         """Under the lock: start a spare on ``gpu``."""
         slot, self.next_slot = self.next_slot, self.next_slot + 1
-        label = f"spare {slot}"
-        self.spares.append(Spare(slot, gpu, self.start_spare(slot, gpu, label)))
+        self.spares.append(Spare(slot, gpu, self.start_spare(slot, gpu, spare_label(slot))))
 
     def _run(self) -> None:
         pull = self.pull
@@ -219,7 +222,6 @@ class Spares:
                     log.error("%s during its load(); no spare is started again",
                               self.failed)
                     continue
-                self.replaced += 1
                 log.warning("%s (pid %d) %s; a new spare starts on its GPU", spare.label,
                             spare.proc.pid, why)
                 self.wanted.append(spare.gpu)
