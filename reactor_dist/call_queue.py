@@ -73,7 +73,8 @@ from .calls import Call, CallPath, collective_wait_seconds, compute_seconds
 from .errors import CallQueueFull, WorkerCrashed, WorkerTimeout, failed_behind, queue_full
 from .observers import CANCELLED, CRASHED, DESYNC, OK, RAISED, TIMED_OUT, Observer, tell
 from .outcome import UNUSABLE_ENDING, judge
-from .protocol import Field, Kind, Status
+from .protocol import Field, Kind, Method, Status
+from .session import Session
 from .supervisor import Supervisor
 from .timings import Recorder
 
@@ -184,6 +185,13 @@ class CallQueue:
         self.wakers: list[Waker] = []
         self.readers: dict[asyncio.AbstractEventLoop, int] = {}  # tasks waiting, per loop
         self.collector: threading.Thread | None = None
+        # Sessions (reactor_dist.session, snapshot_every=): snapshots and the calls kept;
+        # with retry_failed, the calls a fault failed wait here, with their errors, to be
+        # sent again once the automatic restart is done.
+        self.session: Session | None = None
+        self.retry_failed = False
+        self.retrying: list[tuple[Call, BaseException]] = []
+        self.retried = 0  # calls sent again after a restart, so far
 
     # -- states -----------------------------------------------------------------------------
     def move(self, to: State, failure: BaseException | None = _KEEP) -> None:
@@ -243,20 +251,29 @@ class CallQueue:
         self.fail_in_flight(lambda call: exc if call is at else failed_behind(
             exc, call.what, at.what if at is not None else None), note,
             CRASHED if isinstance(exc, WorkerCrashed) else
-            TIMED_OUT if isinstance(exc, WorkerTimeout) else DESYNC)
+            TIMED_OUT if isinstance(exc, WorkerTimeout) else DESYNC,
+            retry=note is not None and self.retry_failed)
         if note is not None:
             say_restarting(exc, note)  # raised by a call not yet in flight (a death while idle)
 
     def fail_in_flight(self, error_of: Callable[[Call], BaseException],
-                       note: str | None = None, outcome: str = CANCELLED) -> None:
+                       note: str | None = None, outcome: str = CANCELLED,
+                       retry: bool = False) -> None:
         """Every call in flight fails; the callers waiting for a turn keep it (they wait
-        for a restart, or see why they cannot send)."""
+        for a restart, or see why they cannot send).  ``retry`` (retry_failed, an
+        automatic restart begins): a call somebody takes, sent once so far, waits to be
+        sent again instead, its error kept for a restart that fails."""
         for call in self.in_flight:
             if not call.done:
                 error = error_of(call)
                 if note is not None:
                     say_restarting(error, note)
-                self._settle(call, None, error, outcome)
+                if call.method == Method.SNAPSHOT:
+                    call.settle(None, error)  # nobody waits for it; the session keeps the last
+                elif retry and not call.left and not call.retried and call.command is not None:
+                    self.retrying.append((call, error))
+                else:
+                    self._settle(call, None, error, outcome)
         self.in_flight.clear()
         self.by_seq.clear()
         self.changed_all()
@@ -299,9 +316,46 @@ class CallQueue:
                 assert self.path is not None and self.supervisor.ranks is not None
                 self.path.ranks = self.supervisor.ranks
                 self.move(HEALTHY, None)
+                self.send_retries()
             else:
                 self.move(UNUSABLE, failure)
+                self.fail_retries(lambda error: f"{error}; the runner restarted to send this "
+                                  f"call again, and the restart failed: "
+                                  f"{type(failure).__name__}: {failure}")
             return True
+
+    def send_retries(self) -> None:
+        """Under the lock, healthy again after an automatic restart: the calls the fault
+        failed go again, in their order and before any other (retry_failed)."""
+        retrying, self.retrying = self.retrying, []
+        path = self.path
+        assert path is not None
+        for index, (call, _) in enumerate(retrying):
+            try:
+                assert call.command is not None
+                seq = path.send_again(call.command, bool(self.in_flight))
+            except (WorkerCrashed, WorkerTimeout) as exc:
+                self.retrying = retrying[index:]
+                self.broken(exc)  # a retried call is not sent again: they fail
+                self.fail_retries(str)
+                return
+            call.resent(seq, perf_counter())
+            self.retried += 1
+            if call.timeout is not None and not self.in_flight:
+                call.deadline = time.monotonic() + call.timeout
+            self.in_flight.append(call)
+            self.by_seq[seq] = call
+            if call.watchers <= 0:
+                self.want_collector()
+            self.snapshot_if_due(call)
+        self.changed_all()
+
+    def fail_retries(self, message: Callable[[BaseException], str]) -> None:
+        """The calls waiting to be sent again fail with the error the fault gave them."""
+        retrying, self.retrying = self.retrying, []
+        for call, error in retrying:
+            error.args = (message(error),)
+            self._settle(call, None, error, CANCELLED)
 
     def close(self) -> None:
         """Shut down: the calls in flight fail; waits until nobody is receiving."""
@@ -316,7 +370,11 @@ class CallQueue:
             self.fail_in_flight(lambda call: RuntimeError(
                 f"{call.what} was still in flight when the runner was shut down: it has no "
                 f"result"))
+            self.fail_retries(lambda error: f"{error}; the runner was shut down before this "
+                              f"call was sent again")
             self.wait_for_receiver()
+            if self.session is not None:
+                self.session.close()
         self.stop_collector()
         self.settle_futures()
 
@@ -338,6 +396,18 @@ class CallQueue:
         """Take a turn (first come, first served), wait for room in flight and for a
         restart in progress, at most ``queue_timeout`` (CallQueueFull), publish; a
         ``stream`` call's items are handed over as they come."""
+        try:
+            return self.send_once(method, value, timeout, queue_timeout, future, stream)
+        except (WorkerCrashed, WorkerTimeout):
+            # The fault was found as this call went (a death while idle): with
+            # retry_failed it goes after the automatic restart, like the calls in flight.
+            if not (self.retry_failed and self.state is RESTARTING):
+                raise
+        return self.send_once(method, value, timeout, queue_timeout, future, stream)
+
+    def send_once(self, method: str, value: Any, timeout: float | None,
+                  queue_timeout: float | None, future: Future | None = None,
+                  stream: bool = False) -> Call:
         if not self.turns and self.state is HEALTHY and len(self.in_flight) < self.max_in_flight:
             return self.publish(None, method, value, timeout, future, stream)  # at once
         turn = self.take_turn()
@@ -387,7 +457,8 @@ class CallQueue:
         assert self.path is not None
         self.sending = True
         try:
-            call = self.path.send(method, value, timeout, bool(self.in_flight))
+            call = self.path.send(method, value, timeout, bool(self.in_flight),
+                                  keep=self.session is not None)
         except (WorkerCrashed, WorkerTimeout) as exc:
             self.broken(exc)
             raise  # keeps its __cause__
@@ -408,9 +479,46 @@ class CallQueue:
             call.future = future
             future.set_running_or_notify_cancel()  # sent: it cannot be taken back
             self.want_collector()
+        self.snapshot_if_due(call)
         if self.turns:
             self.changed_all()
         return call
+
+    def snapshot_if_due(self, call: Call) -> None:
+        """Under the lock, ``call`` just sent: with sessions, a SNAPSHOT right behind it
+        when it is due (every snapshot_every calls, after every reset())."""
+        if self.session is not None and self.session.due(call):
+            self.send_snapshot(call.timeout)
+
+    def send_snapshot(self, timeout: float | None) -> Call | None:
+        """Under the lock: a SNAPSHOT in flight (None: the runner broke sending it)."""
+        assert self.session is not None and self.path is not None
+        try:
+            snapshot = self.session.send_snapshot(self.path, timeout, bool(self.in_flight))
+        except (WorkerCrashed, WorkerTimeout) as exc:
+            self.broken(exc)  # the calls before it fail with it; this caller's too
+            return None
+        if timeout is not None and not self.in_flight:
+            snapshot.deadline = time.monotonic() + timeout
+        self.in_flight.append(snapshot)
+        self.by_seq[snapshot.seq] = snapshot
+        self.want_collector()
+        return snapshot
+
+    def first_snapshot(self, timeout: float | None) -> None:
+        """start(), with sessions: the state load() left, before any call."""
+        assert self.session is not None
+        with self.lock:
+            snapshot = self.send_snapshot(timeout)
+            if snapshot is not None:
+                self.pump(lambda: snapshot.done or self.state is not HEALTHY)
+            self.check_usable()
+            if self.session.snapshot is None:
+                raise RuntimeError(f"snapshot_every={self.session.every}: snapshot() did not "
+                                   f"return on every rank at start() "
+                                   f"({self.session.failure}); fix snapshot(), or pass "
+                                   f"snapshot_every=0")
+        self.settle_futures()
 
     # -- what the waits of threads and tasks ask ------------------------------------------
     def answered_so_far(self) -> Callable[[], bool]:
@@ -625,6 +733,16 @@ class CallQueue:
             if head.timeout is not None:
                 head.deadline = time.monotonic() + head.timeout
         assert self.path is not None
+        if call.method == Method.SNAPSHOT:  # the caller's own: no verdict, no observer
+            if any(header.get(Field.STATUS) == Status.RAISED
+                   for header, _ in call.replies.values()):
+                self.answered_due = call.seq  # the ranks that raised hold the next call
+                self.tell_answered()
+            assert self.session is not None
+            self.session.answered(call, self.path)
+            call.settle(None, None)
+            self.changed_all()
+            return
         answered = perf_counter()
         verdict = judge(call.method, self.path.outcomes(call))
         if (self.timings.enabled or self.observers) and not call.left:
@@ -642,6 +760,8 @@ class CallQueue:
                    for header, _ in call.replies.values()):
                 self.answered_due = call.seq  # the ranks that raised hold the next call
                 self.tell_answered()
+            if self.session is not None:
+                self.session.answered(call, self.path)
             self._settle(call, verdict.value, verdict.error,
                          OK if verdict.error is None else RAISED)
         self.changed_all()
@@ -657,6 +777,10 @@ class CallQueue:
                 outcome: str) -> None:
         if call.left:
             value, outcome = None, CANCELLED  # nobody takes it: its memory goes back
+        if call.command is not None and self.session is not None:  # failed: not kept
+            assert self.path is not None
+            self.session.release(call.command, self.path)
+            call.command = None
         call.settle(value, error)
         if self.observers:
             self.observers = tell(self.observers, "settled", call, outcome, call.times,

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from .supervisor import Supervisor
 
 Replies = dict[int, tuple[dict, list]]
+SESSION = "session"  # the holder of a kept call's input segments (reactor_dist.session)
 
 
 class Call:
@@ -46,7 +47,8 @@ class Call:
     __slots__ = ("seq", "method", "timeout", "what", "replies", "items", "left",
                  "generator", "started", "sent", "deadline", "watchers",
                  "done", "value", "error", "future", "itemized", "times", "compute",
-                 "collective_wait", "tags", "stream")
+                 "collective_wait", "tags", "stream", "command", "received", "skip",
+                 "retried")
 
     def __init__(self, seq: int, method: str, timeout: float | None, started: float = 0.0,
                  sent: float = 0.0) -> None:
@@ -73,6 +75,19 @@ class Call:
         self.compute: tuple[float, ...] | None = None
         self.collective_wait: tuple[float, ...] | None = None  # None: no rank measured
         self.tags: dict[str, Any] | None = None
+        # Sessions (reactor_dist.session): what was sent, to send it again (a replay, a
+        # retry); rank 0's items received so far, and how many of a retry's to skip
+        # (handed over already); whether it was sent again once.
+        self.command: Command | None = None
+        self.received = self.skip = 0
+        self.retried = False
+
+    def resent(self, seq: int, sent: float) -> None:
+        """``retry_failed``: the same call, sent again as ``seq`` after a restart; the
+        items it had brought are not handed over twice."""
+        self.seq, self.sent, self.what = seq, sent, f"{self.method}() (call {seq})"
+        self.replies, self.deadline, self.retried = {}, None, True
+        self.skip, self.received = self.received, 0
 
     def settle(self, value: Any, error: BaseException | None) -> None:
         self.done, self.value, self.error = True, value, error
@@ -85,6 +100,17 @@ class Call:
 
     def __repr__(self) -> str:
         return f"<Call {self.what} {'done' if self.done else 'in flight'}>"
+
+
+class Command(NamedTuple):
+    """A call as sent, to send it again (sessions): its input's buffers stay in their
+    segments, held for it (``segments``), until it is no longer needed."""
+
+    method: str
+    descriptors: list | None
+    body: list  # the pickle stream and inline buffers, copied (the caller may reuse its own)
+    segments: list[str]
+    timeout: float | None
 
 
 class Undecodable(NamedTuple):
@@ -155,19 +181,20 @@ class CallPath:
         self.inputs.reclaim = self.memory.reclaim
 
     def send(self, method: str, value: Any, timeout: float | None,
-             behind: bool = False) -> Call:
+             behind: bool = False, keep: bool = False) -> Call:
         """Publish one call; raises (having sent nothing) when it can't: TypeError (the
         input does not pickle), SharedMemoryExhausted, WorkerCrashed (a rank died
-        while idle), WorkerTimeout (no rank took the command)."""
+        while idle), WorkerTimeout (no rank took the command).  ``keep`` (sessions):
+        the call keeps its :class:`Command` and its input's segments (held by SESSION),
+        and rank 0 digests its result."""
         started = time.perf_counter()
         if self.ranks.watch.fired:
             dead = self.ranks.dead()
             if dead:
                 raise self.supervisor.crashed(dead, "an idle moment between calls")
         header: dict[str, Any] = {Field.KIND: Kind.CALL, Field.METHOD: method}
-        if behind:  # other calls in flight: a failure may drop this one before it starts
-            header[Field.BEHIND] = True
         body: list = [b""]
+        segments: list[str] = []
         if started - self.last_sent > IDLE_RETURN and self.inputs.idle:
             self.inputs.retire_idle()  # a cache, never a hoard: they ride as RETIRED
         self.last_sent = started
@@ -175,7 +202,7 @@ class CallPath:
             self.inputs.new_call()
             self.memory.reclaim_timeout = timeout
             try:
-                descriptors, body, _ = transfer.encode(
+                descriptors, body, segments = transfer.encode(
                     value, self.inputs, "the input of generate()", holders=range(self.world_size),
                     inline_limit=self.inline_limit)
             except (shm.SharedMemoryExhausted, WorkerCrashed, WorkerTimeout):
@@ -188,6 +215,41 @@ class CallPath:
                 ) from exc
             if descriptors:
                 header[Field.DESCRIPTORS] = descriptors
+            if keep:
+                header[Field.DIGEST] = True
+        command = None
+        if keep:
+            command = Command(method, header.get(Field.DESCRIPTORS), [bytes(f) for f in body],
+                              segments, timeout)
+        seq = self.publish(header, body, timeout, behind, method)
+        call = Call(seq, method, timeout, started, time.perf_counter())
+        if command is not None:
+            for name in segments:
+                self.inputs.hold(name, SESSION)
+            call.command = command
+        return call
+
+    def send_again(self, command: Command, behind: bool) -> int:
+        """Sessions: a kept call's command once more, as a new call (its sequence number):
+        its input segments, still held for it, are held by every rank again."""
+        header: dict[str, Any] = {Field.KIND: Kind.CALL, Field.METHOD: command.method}
+        if command.descriptors:
+            header[Field.DESCRIPTORS] = command.descriptors
+        if command.method == Method.GENERATE:
+            header[Field.DIGEST] = True
+        seq = self.publish(header, list(command.body), command.timeout, behind,
+                           command.method)
+        for name in command.segments:  # sent: every rank releases them after it
+            for rank in range(self.world_size):
+                self.inputs.hold(name, rank)
+        return seq
+
+    def publish(self, header: dict[str, Any], body: list, timeout: float | None,
+                behind: bool, method: str) -> int:
+        """Number and publish one CALL, with what the caller has to give back; its
+        sequence number."""
+        if behind:  # other calls in flight: a failure may drop this one before it starts
+            header[Field.BEHIND] = True
         # From here on the command may have reached the ranks, even if publish() is
         # interrupted: the sequence number, the segments and the releases count as sent
         # (an interrupted call's segments stay held until shutdown rather than risk
@@ -206,7 +268,7 @@ class CallPath:
         except CommandBlocked:
             raise self.supervisor.not_taken(timeout, f"{method}()'s command",
                                            self.busy(), seq, method) from None
-        return Call(seq, method, timeout, started, time.perf_counter())
+        return seq
 
     def receive(self, wait_ms: int) -> tuple[dict, list] | None:
         """The next message (None when ``wait_ms`` passed first), its ledger fields
@@ -233,7 +295,8 @@ class CallPath:
 
     def take_item(self, call: Call, header: dict[str, Any], body: list) -> None:
         """Rank 0's next item of ``call``: decoded now, or handed back unread."""
-        if call.left:
+        call.received += 1
+        if call.left or header.get(Field.INDEX, 0) < call.skip:  # a retry's: handed over
             self.discard(header)
         else:
             call.items.append(self.decode_item(header, body))

@@ -29,11 +29,15 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
     (spare)        or raised                  RANK (its slot), STATUS, ERROR, DEVICE,
                                               LOAD_SECONDS, PID
     call      ->   generate() / reset()       METHOD, DESCRIPTORS (input buffers),
-                                              RELEASED (result segments the caller let
-                                              go), RETIRED (input segments unlinked),
-                                              BEHIND (true: sent while other calls were
-                                              in flight; the rank reads ahead for a DROP
-                                              before it starts it)
+                   / snapshot() / restore()   RELEASED (result and snapshot segments
+                   (sessions: session.py)     the caller let go), RETIRED (input
+                                              segments unlinked), BEHIND (true: sent
+                                              while other calls were in flight; the
+                                              rank reads ahead for a DROP before it
+                                              starts it), DIGEST (true: rank 0 sends
+                                              its result's digest), STATES (restore:
+                                              per rank [first body frame, frames,
+                                              descriptors] of its snapshot)
     item      <-   rank 0's generate() yielded INDEX (0, 1, ...), DESCRIPTORS (the
                    (a generator worker)       item's buffers), RELEASED, RETIRED
     reply     <-   the method returned/raised STATUS, ERROR, DESCRIPTORS (rank 0's
@@ -45,7 +49,10 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
                                               duration on the rank's monotonic clock),
                                               COLLECTIVE_WAIT (of those, the seconds in
                                               torch.distributed collectives; only from
-                                              ranks in a group, collective_wait.py)
+                                              ranks in a group, collective_wait.py);
+                                              DIGEST (rank 0, asked: bytes, see
+                                              transfer.Digest); a snapshot's: every
+                                              rank's DESCRIPTORS and payload
     release   ->   the caller let go of rank  RELEASED (rank 0's result segments),
                    0's segments, or input     RETIRED (input segments unlinked); ROUND
                    segments were retired,     when it answers a STARVED (the same round)
@@ -156,6 +163,8 @@ class Field:
     BEHIND = "bh"
     RANKS = "rks"
     TAKERS = "tk"  # REJOIN: [[spare slot, rank], ...]: each spare takes that rank's place
+    DIGEST = "dg"  # CALL: true, rank 0 digests its result; REPLY: rank 0's digest (bytes)
+    STATES = "sts"  # CALL of restore: per rank [first body frame, frame count, descriptors]
 
 
 class Kind:
@@ -229,6 +238,8 @@ class Method:
     """The value of ``Field.METHOD`` in CALL."""
 
     GENERATE, RESET = "generate", "reset"
+    # Sessions (reactor_dist.session): every rank returns its state / is given it back.
+    SNAPSHOT, RESTORE = "snapshot", "restore"
 
 
 class Place:
@@ -360,7 +371,8 @@ MARK_ENV = "REACTOR_DIST_RANK_MARK"
 STACKS_SIGNAL = signal.SIGUSR1
 GROUP_ABORT_SIGNAL = signal.SIGRTMIN + 2
 # /dev/shm entries: rdist.<owner pid>.<owner start time, hex>.<runner token>.<tag><token>
-# (tag: "in" for inputs, "r0-" for results; token: 16 random hex digits per segment)
+# (tag: "in" for inputs, "r0-" for results, "s<rank>-" for snapshots; token: 16 random
+# hex digits per segment)
 SEGMENT_PREFIX = "rdist"
 # <runner prefix>.lock: flock'ed by the live runner (its entries are not a dead owner's)
 OWNER_LOCK = "lock"
@@ -376,6 +388,13 @@ def store_file(epoch: int) -> str:
     the runner removes the old generation's once the new group is formed)."""
     return "store" if not epoch else f"store.{epoch}"
 
+
+
+def snapshot_tag(rank: int) -> str:
+    """The tag of rank ``rank``'s snapshot segments (reactor_dist.session): the rank
+    creates them, the caller keeps them past the rank's death and unlinks those of a
+    replaced rank's process."""
+    return f"s{rank}-"
 
 
 def segment_prefix(pid: int, started: int, token: str) -> str:

@@ -94,6 +94,7 @@ class RankServer:
         # A spare has neither until it takes a rank's place (take_place).
         self.memory: RankMemory | None = None if boot.spare else self.new_memory()
         self.inside = 0.0  # seconds inside the running generator step (run_steps)
+        self.digest: transfer.Digest | None = None  # rank 0, asked: of what it hands over
         self.waits: collective_wait.CollectiveWaits | None = None  # with a group
         self.progress = Reporter(self.send)  # Kind.PROGRESS during start-up
         # Kind.READY as sent: the runner re-sends INIT until it hears from us, and a
@@ -366,12 +367,23 @@ class RankServer:
         payload: list = []
         error: BaseException | None = None
         value = result = None
-        generate = header[Field.METHOD] == Method.GENERATE
+        method = header[Field.METHOD]
+        generate = method == Method.GENERATE
+        # Sessions (reactor_dist.session): rank 0 digests what it hands over, when asked.
+        self.digest = transfer.Digest() if generate and self.rank == 0 and \
+            header.get(Field.DIGEST) else None
         began = 0.0
         if self.waits is not None:
             self.waits.begin()
         try:
-            if generate:
+            if method == Method.SNAPSHOT:
+                began = time.perf_counter()
+                payload = self.snapshot(reply)
+            elif method == Method.RESTORE:
+                began = time.perf_counter()
+                self.restore(header, body)
+                wait_for_device(self.device)
+            elif generate:
                 value = transfer.decode(header.get(Field.DESCRIPTORS), body, self.memory.input_base)
                 began = time.perf_counter()
                 result = self.worker.generate(value)
@@ -410,11 +422,13 @@ class RankServer:
                 descriptors, payload, _ = transfer.encode(
                     result, self.results, "the result of generate() on rank 0",
                     holders=(CALLER,), reuse_segments=True, inline_limit=self.inline_limit,
-                    verb="return")
+                    verb="return", digest=self.digest)
                 if descriptors:
                     reply[Field.DESCRIPTORS] = descriptors
             except BaseException as exc:
                 reply[Field.STATUS], error = Status.UNDELIVERABLE, exc
+        if self.digest is not None and error is None:
+            reply[Field.DIGEST] = self.digest.digest()
         del result
         if error is not None:
             reply[Field.ERROR] = describe(error)
@@ -424,6 +438,25 @@ class RankServer:
         self.send(reply, payload)
         self.memory.check_written_views()
         return reply[Field.STATUS]
+
+    def snapshot(self, reply: dict[str, Any]) -> list:
+        """Sessions: this rank's ``snapshot()``, into its snapshot pool (the caller holds
+        it); every rank sends its own.  Its payload frames."""
+        state = self.worker.snapshot()
+        descriptors, payload, _ = transfer.encode(
+            state, self.memory.snapshots, f"the snapshot() of rank {self.rank}",
+            holders=(CALLER,), inline_limit=self.inline_limit, verb="return")
+        if descriptors:
+            reply[Field.DESCRIPTORS] = descriptors
+        return payload
+
+    def restore(self, header: dict[str, Any], body: list) -> None:
+        """Sessions: ``restore()`` this rank's part of a snapshot (Field.STATES), read into
+        this process's own memory."""
+        first, count, descriptors = header[Field.STATES][self.rank]
+        state = transfer.decode(descriptors, body[first:first + count],
+                                self.memory.snapshot_copy)
+        self.worker.restore(state)
 
     def run_steps(self, seq: int, steps: Any) -> tuple[int, BaseException | None]:
         """Run a generator worker's step to its end (its collectives are inside it); rank
@@ -455,7 +488,8 @@ class RankServer:
         try:
             descriptors, payload, _ = transfer.encode(
                 item, self.results, f"item {index} of generate() on rank 0", holders=(CALLER,),
-                reuse_segments=True, inline_limit=self.inline_limit, verb="yield")
+                reuse_segments=True, inline_limit=self.inline_limit, verb="yield",
+                digest=self.digest)
         except Exception as exc:  # as for a result: no room, over the bound, no pickle
             return exc
         del item

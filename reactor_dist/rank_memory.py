@@ -35,7 +35,7 @@ import zmq
 from . import shm, wire
 from .host_pinning import HostPinning, cuda_runtime_of
 from .ledger import IDLE_RETURN, Ledger, Mapped
-from .protocol import Bootstrap, Field, Kind, result_tag, segments_of
+from .protocol import Bootstrap, Field, Kind, result_tag, segments_of, snapshot_tag
 
 log = logging.getLogger("reactor_dist")
 # Who holds a segment of rank 0's result ledger.
@@ -123,7 +123,9 @@ class Inbox:
 
 
 class RankMemory:
-    """Rank 0's result pool and every rank's mappings of the runner's inputs."""
+    """Rank 0's result pool, every rank's snapshot pool (sessions: the caller holds a
+    snapshot's segments until a newer one is complete, and past this rank's death) and
+    every rank's mappings of the runner's inputs."""
 
     def __init__(self, boot: Bootstrap, rank: int,
                  send: Callable[[dict[str, Any]], None]) -> None:
@@ -133,6 +135,9 @@ class RankMemory:
         self.results = Ledger(boot.shm_dir, boot.shm_prefix, result_tag(rank),
                               keep_free=boot.keep_free, reclaim=self.starve,
                               before_close=self.pinning.unpin)
+        self.snapshot_tag = snapshot_tag(rank)
+        self.snapshots = Ledger(boot.shm_dir, boot.shm_prefix, self.snapshot_tag,
+                                keep_free=1)
         prefix = boot.shm_prefix + "."
         self.inputs = Mapped(lambda name: shm.PrivateView(boot.shm_dir, name),
                              lambda name: "/" not in name and name.startswith(prefix))
@@ -146,9 +151,11 @@ class RankMemory:
     def apply(self, header: dict[str, Any]) -> None:
         """The RELEASED (ours, let go by the caller) and RETIRED (the runner's inputs,
         unlinked) fields of a command."""
+        mine = f"{self.boot.shm_prefix}.{self.snapshot_tag}"
         for name in header.get(Field.RELEASED) or ():
             if isinstance(name, str):
-                self.results.release(name, CALLER)
+                (self.snapshots if name.startswith(mine) else self.results).release(
+                    name, CALLER)
         retired = header.get(Field.RETIRED)
         if retired:
             self.inputs.unmap(retired)
@@ -167,7 +174,7 @@ class RankMemory:
             if names:
                 message[Field.RELEASED] = names
                 self.unchecked.update(names)
-        retired = self.results.take_retired()
+        retired = self.results.take_retired() + self.snapshots.take_retired()
         if retired:
             message[Field.RETIRED] = retired
 
@@ -195,13 +202,14 @@ class RankMemory:
 
     def trim(self) -> None:
         """Nobody called for IDLE_RETURN seconds: every idle segment goes back."""
-        retired = self.results.retire_idle()
+        retired = self.results.retire_idle() + self.snapshots.retire_idle()
         if retired:
             self.send({Field.KIND: Kind.TRIMMED, Field.SEQ: 0, Field.RETIRED: retired})
 
     def idle_wait_ms(self) -> int:
         """How long the rank's loop waits for a command before trimming (-1: for ever)."""
-        return int(IDLE_RETURN * 1000) if self.results.has_idle() else -1
+        idle = self.results.has_idle() or self.snapshots.has_idle()
+        return int(IDLE_RETURN * 1000) if idle else -1
 
     # -- inputs and results ----------------------------------------------------------
     def check_written_views(self) -> None:
@@ -211,6 +219,14 @@ class RankMemory:
             view = self.inputs.views.get(name)
             if view is not None and view.written():
                 self.inputs.unmap([name])
+
+    def snapshot_copy(self, name: str) -> np.ndarray:
+        """A snapshot segment's bytes, read into this process's own memory: the restored
+        state is the worker's to change, and the segment may be reused once a newer
+        snapshot is complete."""
+        if "/" in name or not name.startswith(self.boot.shm_prefix + "."):
+            raise ValueError(f"a restore names a foreign segment {name!r}")
+        return np.fromfile(f"{self.boot.shm_dir}/{name}", np.uint8)
 
     def input_base(self, name: str) -> np.ndarray:
         self.check_written_views()
@@ -232,3 +248,4 @@ class RankMemory:
     def close(self) -> None:
         self.inputs.close()
         self.results.close()
+        self.snapshots.close()

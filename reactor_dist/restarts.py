@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 
-from . import recovery
+from . import recovery, timeouts
 from .call_queue import CallQueue
 
 log = logging.getLogger("reactor_dist")
@@ -83,9 +83,11 @@ class Restarts:
         self.thread = threading.Thread(target=self.in_background, daemon=True,
                                        name="reactor-dist-restart")
         self.thread.start()
+        after = "this call is sent again after it (retry_failed)" if self.queue.retry_failed \
+            else "this call is not replayed"
         return (f"the runner is restarting (restart {len(self.spent)} of "
                 f"max_restarts={self.max_restarts} within {self.window:g} s): the next call "
-                f"waits for it; this call is not replayed")
+                f"waits for it; {after}")
 
     def stop(self) -> None:
         """Shutdown: a restart in progress gives up (within a beat) before anything ends."""
@@ -116,13 +118,22 @@ class Restarts:
                     path.arrived(header)
                     path.discard(header)
 
+            deadline = timeouts.deadline_of(timeout)
             done = recovery.restart(supervisor, rejoin=self.rejoin, grace=self.grace,
                                     timeout=timeout, last_seq=last_seq, other=other)
+            session, replayed = queue.session, ""
+            if session is not None:  # every rank restores the snapshot; the calls since
+                path.ranks = supervisor.ranks
+                session.renewed(done.replaced + done.taken)
+                kept, seconds = len(session.since), session.replay(path, deadline, other)
+                done = done._replace(seconds=done.seconds + seconds)
+                replayed = (f"; every rank restored the snapshot and ran the {kept} call"
+                            f"{'s' * (kept != 1)} since it again in {seconds:.2f} s")
             self.count += 1
             self.last = done
             reason = f" after {type(why).__name__}: {first_line(why)}" if why else ""
-            log.warning("restart %d%s: %s in %.2f s", self.count, reason, told(done),
-                        done.seconds,
+            log.warning("restart %d%s: %s%s in %.2f s", self.count, reason, told(done),
+                        replayed, done.seconds,
                         extra={"restart": self.count, "replaced": done.replaced,
                                "kept": done.kept, "taken": done.taken,
                                "restart_seconds": done.seconds})

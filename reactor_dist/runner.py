@@ -35,6 +35,7 @@ from .observers import Observer, tell
 from .placement import check_ray_options, placement_for
 from .protocol import Method
 from .restarts import Restarts
+from .session import Session
 from .shm import DEFAULT_DIR
 from .stream import Stream
 from .supervisor import Supervisor
@@ -78,9 +79,12 @@ class DistributedRunner:
     at most: see :meth:`submit`), ``rank_output`` ("stderr": each rank's lines,
     ``[rank N]``-prefixed, on this process's stderr; "log": as INFO records of the
     ``reactor_dist.rank`` logger), ``max_restarts`` and ``restart_window`` (restarts by
-    itself after a fault, at most that many within that many seconds) and ``spares``
+    itself after a fault, at most that many within that many seconds), ``spares``
     (processes loaded with no rank, each of which takes a dead rank's place at a restart:
-    see :meth:`restart`).
+    see :meth:`restart`), ``snapshot_every`` (K: every rank's ``snapshot()`` after every K
+    calls and every reset(); a restart restores it and runs the calls since again:
+    :mod:`reactor_dist.session`) and ``retry_failed`` (the calls a fault failed are sent
+    again after the automatic restart: their callers get results, not errors).
 
     ``placement="ray"`` places the ranks on a Ray cluster (``ray.init(address="auto")``
     unless Ray is initialised here): one placement group of ``world_size`` bundles of
@@ -98,7 +102,8 @@ class DistributedRunner:
                  shutdown_grace: float = 5.0, rank_output: str = "stderr",
                  placement: str = "local", ray_bundle: dict[str, float] | None = None,
                  ray_strategy: str = "PACK", max_in_flight: int = 2, max_restarts: int = 0,
-                 restart_window: float = 600.0, spares: int = 0) -> None:
+                 restart_window: float = 600.0, spares: int = 0, snapshot_every: int = 0,
+                 retry_failed: bool = False) -> None:
         check_not_rerunning_main()  # a rank re-running a script without its __main__ guard
         self._world_size = check_world_size(world_size)
         check_methods(worker_cls)
@@ -106,7 +111,9 @@ class DistributedRunner:
         kwargs = check_load_kwargs(load_kwargs)
         self.call_timeout = _check_timeout("call_timeout", call_timeout)
         self.start_timeout = _check_timeout("start_timeout", start_timeout)
-        check_counts(max_in_flight=max_in_flight, max_restarts=max_restarts, spares=spares)
+        check_counts(max_in_flight=max_in_flight, max_restarts=max_restarts, spares=spares,
+                     snapshot_every=snapshot_every)
+        validation.check_session(snapshot_every, retry_failed, max_restarts, worker_cls)
         window = _check_timeout("restart_window", restart_window)
         if window is None:
             raise ValueError("restart_window must be a number of seconds, not None")
@@ -135,6 +142,10 @@ class DistributedRunner:
             shutdown_grace=check_grace(shutdown_grace), spares=spares)
         self._timings = Recorder(world_size)
         self._queue = CallQueue(self._supervisor, max_in_flight, self._timings)
+        if snapshot_every:
+            self._queue.session = Session(snapshot_every, world_size, shm_dir,
+                                          self._supervisor.shm_prefix)
+            self._queue.retry_failed = retry_failed
         rejoin = callable(getattr(worker_cls, "rejoin", None))
         self._restarts = Restarts(
             self._queue, rejoin=rejoin, grace=check_grace(shutdown_grace),
@@ -257,6 +268,10 @@ class DistributedRunner:
         stats = self._timings.stats(reset)
         stats.restarts = self._restarts.count
         stats.spares_ready, stats.spare_takeovers = self.spares_ready, self.spare_takeovers
+        session = self._queue.session
+        if session is not None:
+            stats.snapshots, stats.replayed = session.snapshots, session.replayed
+            stats.replay_differences, stats.retried = session.differences, self._queue.retried
         return stats
 
     def reset_stats(self) -> None:
@@ -283,6 +298,14 @@ class DistributedRunner:
                 self._lifecycle_ended("start", began, exc)
                 raise
             queue.open()
+            if queue.session is not None:
+                try:
+                    queue.first_snapshot(self.call_timeout)
+                except BaseException as exc:
+                    queue.close()
+                    self._supervisor.close(graceful=False)
+                    self._lifecycle_ended("start", began, exc)
+                    raise
             self._lifecycle_ended("start", began, None)
             validation.warn_if_no_cuda(self._supervisor.devices, self._gpus, self._device)
 

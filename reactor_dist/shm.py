@@ -29,6 +29,7 @@ import mmap
 import os
 import secrets
 import stat
+from collections.abc import Collection
 from functools import lru_cache
 
 import numpy as np
@@ -231,8 +232,9 @@ def remove_prefix(directory: str, prefix: str) -> int:
     return remove_starting(directory, prefix + ".")
 
 
-def remove_starting(directory: str, start: str) -> int:
-    """Unlink every entry of ours whose name starts with ``start``; how many."""
+def remove_starting(directory: str, start: str, keep: Collection[str] = ()) -> int:
+    """Unlink every entry of ours whose name starts with ``start`` (but ``keep``'s); how
+    many."""
     removed = 0
     try:
         names = os.listdir(directory)
@@ -240,7 +242,7 @@ def remove_starting(directory: str, start: str) -> int:
         return 0
     for name in names:
         path = os.path.join(directory, name)
-        if name.startswith(start) and _own_file(path):
+        if name.startswith(start) and name not in keep and _own_file(path):
             unlink_quietly(path)
             removed += 1
     return removed

@@ -155,6 +155,10 @@ class Stats:
         self.restarts = 0  # the runner's restarts so far (set by runner.stats())
         self.spares_ready = 0  # spares loaded and waiting now (set by runner.stats())
         self.spare_takeovers = 0  # ranks whose place a spare took (set by runner.stats())
+        # Sessions (snapshot_every=; set by runner.stats()): complete snapshots, calls run
+        # again by restarts, of those how many gave rank 0 another result, and calls sent
+        # again for their caller (retry_failed).
+        self.snapshots = self.replayed = self.replay_differences = self.retried = 0
 
     def __str__(self) -> str:
         rows = [("", "count", "p50 ms", "p90 ms", "p99 ms")]

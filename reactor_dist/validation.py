@@ -26,6 +26,7 @@ COUNTS = {  # each count option: its least value, and what it counts
     "max_in_flight": (1, "calls sent to the ranks and not yet answered; 1: one at a time"),
     "max_restarts": (0, "restarts by itself within restart_window; 0: never"),
     "spares": (0, "loaded processes waiting to take a dead rank's place; 0: none"),
+    "snapshot_every": (0, "calls between two snapshots of the session; 0: none"),
 }
 
 
@@ -57,6 +58,30 @@ def check_spares(spares: int, worker_cls: type, placement: str,
     if placement != "local":
         raise ValueError(f"spares= works with placement='local' only, not {placement!r}: "
                          f"pass spares=0")
+
+
+def check_session(snapshot_every: int, retry_failed: Any, max_restarts: int,
+                  worker_cls: type) -> None:
+    """Snapshots need both hooks; retrying a failed call needs snapshots (its re-run
+    starts from the session's state) and an automatic restart to run it after."""
+    if not isinstance(retry_failed, bool):
+        raise ValueError(f"retry_failed must be True or False, got {retry_failed!r}")
+    if snapshot_every:
+        missing = [name for name in ("snapshot", "restore")
+                   if not callable(getattr(worker_cls, name, None))]
+        if missing:
+            raise ValueError(
+                f"snapshot_every={snapshot_every} needs snapshot(self) -> state and "
+                f"restore(self, state) on {worker_cls.__qualname__}, which lacks "
+                f"{' and '.join(missing)}(): snapshot() returns this rank's session state "
+                f"(not its weights), restore() puts it back after a restart (or pass "
+                f"snapshot_every=0)")
+    if retry_failed and (not snapshot_every or max_restarts < 1):
+        raise ValueError(
+            f"retry_failed=True sends a failed call again after the automatic restart, "
+            f"from the session's last snapshot: it needs snapshot_every >= 1 and "
+            f"max_restarts >= 1 (got snapshot_every={snapshot_every}, "
+            f"max_restarts={max_restarts})")
 
 
 def check_devices(device: Any, gpus: Any, rank_output: Any,

@@ -1,0 +1,132 @@
+"""Workers for the session tests (tests/test_sessions.py).
+
+``Rollout`` is a deterministic rollout whose every step depends on all before it, on
+every rank: each rank holds a state of ``SIZE`` float64 (large enough to cross through
+shared memory), a step first adds its input to it (the state is half advanced here),
+then all_reduces the first four values over every rank and folds the sum back in.  Rank
+0 returns its state after the step.  :func:`reference` computes the same rollout in the
+test's process, for any world size, so an uninterrupted run needs no runner.
+
+An input ``Die(x, rank, marker)`` makes that rank SIGKILL itself in the step, after it
+advanced its state half and before the all_reduce the others wait in, once: it creates
+``marker`` first, so that the replay and the retry of that very call go through.  Each
+``load()`` and ``rejoin()`` appends the pid to ``<state_dir>/load-<rank>`` or
+``rejoin-<rank>`` (a spare's load: ``load-spare``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+
+import numpy as np
+
+from reactor_dist import DistributedWorker
+
+SIZE = 16384  # float64s: 128 KiB, above the inline limit
+
+
+@dataclasses.dataclass
+class Die:
+    x: float
+    rank: int
+    marker: str
+
+
+def step(states: list[np.ndarray], x: float) -> None:
+    """One step of every rank's state (index = rank), in place."""
+    for rank, state in enumerate(states):
+        state += x * (rank + 1)
+    total = sum(state[:4] for state in states).sum()
+    for state in states:
+        state *= 0.5
+        state += total
+
+
+def reference(xs: list[float], world_size: int, reset_after: int | None = None
+              ) -> list[np.ndarray]:
+    """Rank 0's result after each step of ``xs`` (a reset() after step ``reset_after``)."""
+    states = [np.zeros(SIZE) for _ in range(world_size)]
+    results = []
+    for index, x in enumerate(xs):
+        step(states, x)
+        results.append(states[0].copy())
+        if reset_after is not None and index == reset_after:
+            for state in states:
+                state[:] = 0.0
+    return results
+
+
+def record(state_dir: str | None, what: str, rank: int | None) -> None:
+    if state_dir:
+        name = "spare" if rank is None else rank
+        with open(os.path.join(state_dir, f"{what}-{name}"), "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+class Rollout(DistributedWorker):
+    """Without rejoin(): a restart gives every rank a new process."""
+
+    def load(self, state_dir: str | None = None) -> None:
+        self.state_dir = state_dir
+        self.state = np.zeros(SIZE)
+        self.restored = 0
+        record(state_dir, "load", self.rank)
+
+    def generate(self, x):
+        import torch
+        import torch.distributed as dist
+
+        die = x if isinstance(x, Die) else None
+        x = die.x if die is not None else x
+        self.state += x * (self.rank + 1)
+        if die is not None and die.rank == self.rank and not os.path.exists(die.marker):
+            open(die.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        head = torch.from_numpy(self.state[:4].copy())
+        if self.world_size > 1:
+            dist.all_reduce(head)
+        self.state *= 0.5
+        self.state += float(head.sum())
+        return self.state.copy()
+
+    def reset(self) -> None:
+        self.state[:] = 0.0
+
+    def snapshot(self):
+        return {"state": self.state, "restored": self.restored}
+
+    def restore(self, saved) -> None:
+        self.state = saved["state"]
+        self.restored = saved["restored"] + 1
+
+
+class RejoiningRollout(Rollout):
+    """With rejoin(): survivors keep their process (and a spare can take a place)."""
+
+    def rejoin(self) -> None:
+        record(self.state_dir, "rejoin", self.rank)
+
+
+class Streaming(RejoiningRollout):
+    """generate(x) yields three items: the state after the step, +1 and +2."""
+
+    def generate(self, x):
+        state = super().generate(x)
+        for k in range(3):
+            yield state + k
+
+
+class Noisy(RejoiningRollout):
+    """Unseeded noise in every step: a replay gives another result."""
+
+    def generate(self, x):
+        super().generate(x)
+        self.state += np.random.default_rng().random()
+        return self.state.copy()
+
+
+class NoHooks(DistributedWorker):
+    def generate(self, x):
+        return x

@@ -1,0 +1,223 @@
+"""Sessions that survive a fault (issue 32): ``snapshot_every=K`` keeps every rank's
+``snapshot()`` and the calls since; every restart restores it and runs those calls
+again, and ``retry_failed=True`` sends the calls a fault failed again, so the caller
+gets their results.  Every result is compared, exactly, with an uninterrupted rollout
+computed in this process (session_workers.reference)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+from conftest import our_shm_entries
+from session_workers import (
+    Die,
+    NoHooks,
+    Noisy,
+    RejoiningRollout,
+    Rollout,
+    Streaming,
+    reference,
+)
+
+from reactor_dist import DistributedRunner, WorkerCrashed
+from reactor_dist.protocol import snapshot_tag
+
+XS = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+
+
+def make(worker: type = RejoiningRollout, world_size: int = 2, state_dir=None, **kw
+         ) -> DistributedRunner:
+    kw.setdefault("device", "cpu")
+    kw.setdefault("call_timeout", 30.0)
+    kw.setdefault("start_timeout", 90.0)
+    kw.setdefault("shutdown_grace", 1.0)
+    kw.setdefault("snapshot_every", 3)
+    return DistributedRunner(worker, world_size=world_size,
+                             load_kwargs={"state_dir": str(state_dir) if state_dir else None},
+                             **kw)
+
+
+def pids_of(state_dir, what: str, rank) -> list[int]:
+    path = os.path.join(str(state_dir), f"{what}-{rank}")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [int(line) for line in f]
+
+
+# -- construction ---------------------------------------------------------------------------
+def test_snapshots_need_both_hooks_and_retries_need_snapshots_and_restarts():
+    with pytest.raises(ValueError, match=r"snapshot_every=2 needs snapshot\(self\) -> state "
+                                         r"and restore\(self, state\) on NoHooks, which lacks "
+                                         r"snapshot and restore\(\)"):
+        DistributedRunner(NoHooks, snapshot_every=2)
+    with pytest.raises(ValueError, match=r"snapshot_every must be an int >= 0 \(calls between "
+                                         r"two snapshots of the session; 0: none\), got -1"):
+        DistributedRunner(Rollout, snapshot_every=-1)
+    with pytest.raises(ValueError, match=r"retry_failed=True .* needs snapshot_every >= 1 and "
+                                         r"max_restarts >= 1 \(got snapshot_every=0, "
+                                         r"max_restarts=1\)"):
+        DistributedRunner(Rollout, retry_failed=True, max_restarts=1)
+    with pytest.raises(ValueError, match=r"got snapshot_every=2, max_restarts=0"):
+        DistributedRunner(Rollout, retry_failed=True, snapshot_every=2)
+    with pytest.raises(ValueError, match="retry_failed must be True or False, got 1"):
+        DistributedRunner(Rollout, retry_failed=1, snapshot_every=2, max_restarts=1)
+    DistributedRunner(NoHooks)  # no snapshots: no hooks needed
+
+
+# -- restart() restores the session --------------------------------------------------------
+@pytest.mark.parametrize("after", [0, 1, 2], ids=["right-after-a-snapshot", "one-later",
+                                                 "two-later"])
+def test_after_restart_the_next_calls_equal_an_uninterrupted_run(tmp_path, after):
+    """K=3: snapshots after calls 3 and 6; the crash comes in the call ``after`` calls
+    past the one right after the snapshot of call 3 (call 4, 5 or 6)."""
+    expected = reference(XS, 2)
+    crash_at = 3 + after
+    with make(state_dir=tmp_path) as runner:
+        for i in range(crash_at):
+            assert np.array_equal(runner.generate(XS[i]), expected[i])
+        with pytest.raises(WorkerCrashed, match=r"rank 1 died during generate\(\)"):
+            runner.generate(Die(XS[crash_at], 1, str(tmp_path / "died")))
+        runner.restart()
+        for i in range(crash_at, len(XS)):  # the failed call's x again, then the rest
+            assert np.array_equal(runner.generate(XS[i]), expected[i]), i
+        stats = runner.stats()
+        assert (stats.replayed, stats.replay_differences) == (after, 0)
+        assert len(pids_of(tmp_path, "load", 1)) == 2  # rank 1: a new process
+        assert len(pids_of(tmp_path, "load", 0)) == 1  # rank 0 kept its model ...
+        assert len(pids_of(tmp_path, "rejoin", 0)) == 1  # ... and restored the snapshot
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+@pytest.mark.parametrize("mode", ["kept", "spare", "new-processes"])
+def test_kept_ranks_a_spare_and_new_processes_all_restore(tmp_path, victim, mode):
+    worker = Rollout if mode == "new-processes" else RejoiningRollout
+    spares = 1 if mode == "spare" else 0
+    expected = reference(XS, 2)
+    with make(worker, state_dir=tmp_path, spares=spares) as runner:
+        for i in range(4):
+            assert np.array_equal(runner.generate(XS[i]), expected[i])
+        with pytest.raises(WorkerCrashed):
+            runner.generate(Die(XS[4], victim, str(tmp_path / "died")))
+        runner.restart()
+        assert np.array_equal(runner.generate(XS[4]), expected[4])
+        assert np.array_equal(runner.generate(XS[5]), expected[5])
+        loads = {r: len(pids_of(tmp_path, "load", r)) for r in (0, 1)}
+        if mode == "kept":
+            assert loads == {victim: 2, 1 - victim: 1}
+        elif mode == "spare":
+            assert loads == {0: 1, 1: 1} and runner.spare_takeovers == 1
+        else:
+            assert loads == {0: 2, 1: 2}
+
+
+def test_a_reset_then_a_crash_restores_the_session_after_the_reset(tmp_path):
+    expected = reference(XS, 2, reset_after=1)
+    with make(state_dir=tmp_path, snapshot_every=100) as runner:
+        for i in range(2):
+            assert np.array_equal(runner.generate(XS[i]), expected[i])
+        runner.reset()
+        assert np.array_equal(runner.generate(XS[2]), expected[2])
+        with pytest.raises(WorkerCrashed):
+            runner.generate(Die(XS[3], 0, str(tmp_path / "died")))
+        runner.restart()
+        assert np.array_equal(runner.generate(XS[3]), expected[3])
+        assert runner.stats().replayed == 1  # the call after the reset's snapshot
+
+
+def test_a_model_with_unseeded_noise_is_reported_by_the_replay(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="reactor_dist")
+    with make(Noisy, state_dir=tmp_path, snapshot_every=10) as runner:
+        runner.generate(1.0)  # call 2 (call 1: the snapshot at start())
+        with pytest.raises(WorkerCrashed):
+            runner.generate(Die(2.0, 1, str(tmp_path / "died")))
+        runner.restart()
+        assert runner.stats().replay_differences == 1
+    [warning] = [r for r in caplog.records if "not deterministic" in r.getMessage()]
+    assert warning.getMessage().startswith(
+        "the replay of generate() (call 2) after the restart gave rank 0 another result "
+        "than the first run: the model is not deterministic")
+    assert warning.call == 2
+
+
+# -- retry_failed: the application never sees the fault -------------------------------------
+def test_retry_failed_a_loop_gets_every_result_of_an_uninterrupted_run(tmp_path):
+    expected = reference(XS, 2)
+    with make(state_dir=tmp_path, max_restarts=1, retry_failed=True) as runner:
+        got = [runner.generate(Die(x, 1, str(tmp_path / "died")) if i == 4 else x)
+               for i, x in enumerate(XS)]
+        assert all(np.array_equal(g, e) for g, e in zip(got, expected, strict=True))
+        stats = runner.stats()
+        assert (runner.restarts, stats.retried, stats.replayed) == (1, 1, 1)
+
+
+def test_retry_failed_with_calls_in_flight_settles_every_future_with_its_result(tmp_path):
+    expected = reference(XS, 2)
+    with make(state_dir=tmp_path, max_restarts=1, retry_failed=True, max_in_flight=3,
+              snapshot_every=2) as runner:
+        futures = [runner.submit(Die(x, 0, str(tmp_path / "died")) if i == 3 else x)
+                   for i, x in enumerate(XS)]
+        got = [f.result(timeout=120) for f in futures]
+        assert all(np.array_equal(g, e) for g, e in zip(got, expected, strict=True))
+        assert runner.restarts == 1 and runner.stats().retried >= 1
+
+
+def test_retry_failed_a_stream_hands_over_only_the_items_not_yet_handed_over(tmp_path):
+    """Rank 1 dies after rank 0 yielded the step's items: the retried stream brings
+    nothing twice, and the next call continues the uninterrupted rollout."""
+    expected = reference(XS, 2)
+    with make(Streaming, state_dir=tmp_path, max_restarts=1, retry_failed=True) as runner:
+        first = [list(runner.stream(x)) for x in XS[:2]]
+        assert [len(items) for items in first] == [3, 3]
+        items = list(runner.stream(Die(XS[2], 1, str(tmp_path / "died"))))
+        assert len(items) == 3
+        assert all(np.array_equal(item, expected[2] + k) for k, item in enumerate(items))
+        assert np.array_equal(next(iter(runner.stream(XS[3]))), expected[3])
+        assert runner.restarts == 1
+
+
+def test_retry_failed_asyncio_gets_its_result(tmp_path):
+    import asyncio
+
+    expected = reference(XS, 2)
+
+    async def main():
+        async with make(state_dir=tmp_path, max_restarts=1, retry_failed=True) as runner:
+            got = [await runner.agenerate(Die(x, 1, str(tmp_path / "died")) if i == 2 else x)
+                   for i, x in enumerate(XS[:4])]
+            return got, runner.restarts
+
+    got, restarts = asyncio.run(main())
+    assert restarts == 1
+    assert all(np.array_equal(g, e) for g, e in zip(got, expected[:4], strict=True))
+
+
+# -- shared memory ----------------------------------------------------------------------------
+def test_snapshot_segments_are_reused_and_a_dead_ranks_go_after_a_restart(tmp_path):
+    """Per rank: the snapshot held, the one before it (its release on the way while the
+    next is in flight) and the next; a dead rank's pool goes at the restart, the
+    snapshot of it at the next snapshot; nothing at shutdown (conftest checks)."""
+    with make(state_dir=tmp_path, snapshot_every=1) as runner:
+        prefix = runner._supervisor.shm_prefix  # noqa: SLF001  (the runner's own names)
+
+        def pool(rank: int) -> set[str]:
+            return {n for n in our_shm_entries()
+                    if n.startswith(f"{prefix}.{snapshot_tag(rank)}")}
+
+        for x in XS[:6]:
+            runner.generate(x)
+        runner.wait_idle()
+        assert runner.stats().snapshots == 7  # start() and one after each call
+        assert [1 <= len(pool(r)) <= 3 for r in (0, 1)] == [True, True]
+        dead = pool(1)
+        with pytest.raises(WorkerCrashed):
+            runner.generate(Die(XS[6], 1, str(tmp_path / "died")))
+        runner.restart()
+        assert len(pool(1)) == 1 and pool(1) <= dead  # the snapshot restored from
+        runner.generate(XS[6])
+        runner.wait_idle()
+        assert not pool(1) & dead
+        assert [1 <= len(pool(r)) <= 3 for r in (0, 1)] == [True, True]
