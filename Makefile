@@ -15,7 +15,7 @@ RAY_SPEC ?= ray==2.60.0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER = 0
 export RAY_USAGE_STATS_ENABLED = 0
 
-.PHONY: venv venv-ray docs docs-serve test test-slow prometheus metrics-dashboard stress chaos demo bench bench-quick bench-per-call bench-pipelined bench-recovery gpu-check lint clean
+.PHONY: venv venv-ray docs docs-serve test test-slow prometheus metrics-dashboard stress chaos demo bench bench-quick bench-per-call bench-pipelined bench-recovery bench-sessions gpu-check lint clean
 
 venv: $(VENV)/.installed
 
@@ -79,8 +79,10 @@ CHAOS_FLAGS ?=
 chaos: venv
 	$(PY) -m benchmarks.chaos --seconds $(SECONDS) $(if $(SEED),--seed $(SEED)) $(CHAOS_FLAGS)
 
+# make demo DEMO_FLAGS=--fault: rank 1 SIGKILLed mid-step, the session goes on unseen
+DEMO_FLAGS ?=
 demo: venv
-	$(PY) examples/demo.py --world-size 2 --device auto
+	$(PY) examples/demo.py --world-size 2 --device auto$(if $(DEMO_FLAGS), $(DEMO_FLAGS))
 
 # The Grafana dashboard's queries against a real Prometheus, drawn: docs/metrics_dashboard.png.
 metrics-dashboard: venv prometheus
@@ -106,6 +108,10 @@ bench-pipelined: venv
 # (also with the victim inside a collective), restart() with a spare (2 s and 10 s load()).
 bench-recovery: venv
 	$(PY) -m benchmarks.recovery
+
+# Its session rows alone: a snapshot's cost, a fault the caller never sees.
+bench-sessions: venv
+	$(PY) -m benchmarks.sessions
 
 # First contact with this machine's GPUs (all of them, up to 8): the GPU-marked tests at
 # world_size N with NCCL, the README Quickstart, the demo on CUDA, frame timings; one table,

@@ -9,12 +9,22 @@ a time): the app sends the next chunk as soon as the current one's first group a
 so the ranks render it while the app hands this one over. It prints each step's time to
 first frame beside its whole time and frames/s, and writes the frames the client
 received as an animated GIF and a PNG contact sheet under ``out/``.
+
+``--fault``: the same session twice, the second time with rank 1 SIGKILLed in the middle
+of a step of the rollout, under ``snapshot_every=2, max_restarts=1, retry_failed=True``:
+the runner restarts by itself, restores the rollout's snapshot, runs the calls since it
+again and sends the failed step again; the client gets the rest of that step's frames
+and never sees the fault.  It prints the restart's cost and whether every frame the
+client received equals the run without the fault (SHA-256 of each chunk).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
+import os
+import signal
 import statistics
 import sys
 import time
@@ -54,7 +64,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("out"))
     p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
                    help="send the next chunk before handing this one over (default: on)")
+    p.add_argument("--fault", action="store_true",
+                   help="run it twice, SIGKILL rank 1 mid-step the second time, and compare "
+                        "the frames (snapshots, retry_failed)")
     return p.parse_args(argv)
+
+
+FAULT_STEP = 2  # the step in whose middle --fault kills rank 1 (chunk 2 of the first rollout)
+SESSION_OPTIONS = {"snapshot_every": 2, "max_restarts": 1, "retry_failed": True}
 
 
 class GifWriter:
@@ -78,15 +95,18 @@ class GifWriter:
                        duration=1000 // self.fps, loop=0)
 
 
-def run(args: argparse.Namespace, gif: GifWriter) -> list[tuple[str, np.ndarray]]:
+def run(args: argparse.Namespace, gif: GifWriter, kill_at: int | None = None,
+        ) -> list[tuple[str, np.ndarray]]:
     """Drive the app, handing each group of frames to ``gif`` as it arrives; return
-    (caption, frames) for every chunk the client received."""
+    (caption, frames) for every chunk the client received.  ``kill_at``: rank 1 is
+    SIGKILLed once that step's first group has arrived."""
     prompts = args.prompts or PROMPTS
     load_kwargs = {"frames_per_chunk": args.frames, "frames_per_group": args.frames_per_group,
                    "height": args.height, "width": args.width,
                    "chunks_per_rollout": args.chunks_per_rollout}
     app = VideoApp(world_size=args.world_size, device=args.device, load_kwargs=load_kwargs,
-                   pipeline=args.pipeline)
+                   pipeline=args.pipeline,
+                   runner_options=SESSION_OPTIONS if args.fault else None)
     t = time.perf_counter()
     app.load()
     device = args.device
@@ -116,13 +136,27 @@ def run(args: argparse.Namespace, gif: GifWriter) -> list[tuple[str, np.ndarray]
                 first = None
                 received: list[np.ndarray] = []
                 t = time.perf_counter()
+                killed = None
                 for _out in app.stream_step():
                     if first is None:
                         first = time.perf_counter() - t
+                        if step == kill_at:
+                            victim = app.runner.ranks[1].pid
+                            os.kill(victim, signal.SIGKILL)
+                            killed = time.perf_counter()
+                            print(f"  step {step:2d}  SIGKILLed rank 1 (pid {victim}) after "
+                                  f"the step's first group")
                     for frames in app.output.take():  # what the client got: to the GIF now
                         gif.add(frames)
                         received.append(frames)
                 dt = time.perf_counter() - t
+                if killed is not None:
+                    restart = app.runner.stats()
+                    print(f"  step {step:2d}  the rest of the step arrived "
+                          f"{time.perf_counter() - killed:.2f} s after the kill "
+                          f"(restarts {restart.restarts}, calls sent again {restart.retried}, "
+                          f"re-run from the snapshot {restart.replayed}, pid of rank 1 now "
+                          f"{app.runner.ranks[1].pid})")
                 if first is None:
                     assert app.last_outcome and isinstance(app.last_outcome.error, RolloutExhausted)
                     print(f"  step {step:2d}  rollout exhausted -> reset() in {dt * 1e3:.1f} ms")
@@ -175,11 +209,25 @@ def compute_per_rank(runner) -> str:
     return f"compute per rank {ranks} ms (slowest: rank {timings.slowest_rank})"
 
 
+def checksums(chunks: list[tuple[str, np.ndarray]]) -> list[str]:
+    return [hashlib.sha256(np.ascontiguousarray(frames)).hexdigest() for _, frames in chunks]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     gif, sheet = GifWriter(args.out / "demo.gif"), args.out / "demo_sheet.png"
-    chunks = run(args, gif)
+    if args.fault:
+        print("without the fault:")
+        clean = checksums(run(args, GifWriter(args.out / "demo_clean.gif")))
+        print(f"with rank 1 SIGKILLed in step {FAULT_STEP}:")
+    chunks = run(args, gif, kill_at=FAULT_STEP if args.fault else None)
+    if args.fault:
+        same = checksums(chunks) == clean
+        print(f"the frames the client received: {'identical to' if same else 'NOT the same as'}"
+              f" the run without the fault ({len(chunks)} chunks, SHA-256 each)")
+        if not same:
+            return 1
     gif.close()
     write_sheet(chunks, sheet)
     n = sum(len(c) for _, c in chunks)

@@ -99,10 +99,11 @@ class VideoApp:
     def __init__(
         self, *, world_size: int = 2, device: str = "auto",
         load_kwargs: dict[str, Any] | None = None, call_timeout: float = 30.0,
-        pipeline: bool = False,
+        pipeline: bool = False, runner_options: dict[str, Any] | None = None,
     ) -> None:
         self.world_size, self.device = world_size, device
         self.load_kwargs = load_kwargs or {}
+        self.runner_options = runner_options or {}  # more DistributedRunner options
         self.call_timeout = call_timeout
         self.state = VideoState()
         self.output = Track()
@@ -114,7 +115,7 @@ class VideoApp:
         """The one change from an in-process model: start a runner instead of a model."""
         self.runner = DistributedRunner(
             VideoWorker, world_size=self.world_size, load_kwargs=self.load_kwargs,
-            call_timeout=self.call_timeout, device=self.device,
+            call_timeout=self.call_timeout, device=self.device, **self.runner_options,
         )
         self.runner.start()
 

@@ -149,13 +149,18 @@ class Waker:
 
 
 
-def say_restarting(error: BaseException, note: str) -> None:
-    """An automatic restart began: its note goes into the error's message, where an
-    application that logs ``str(error)`` sees it (a RankDesync's "unusable" ending gives
-    way to it); once."""
+NOT_REPLAYED = "this call is not replayed"
+SENT_AGAIN = "this call is sent again after it (retry_failed)"
+SENT_TWICE = "this call was sent again once already: retry_failed sends a call once"
+
+
+def say_restarting(error: BaseException, note: str, then: str = NOT_REPLAYED) -> None:
+    """An automatic restart began: its note, and ``then`` (what becomes of the call), go
+    into the error's message, where an application that logs ``str(error)`` sees it (a
+    RankDesync's "unusable" ending gives way to it); once."""
     message = str(error)
     if note not in message:
-        error.args = (f"{message.removesuffix(UNUSABLE_ENDING)}; {note}",)
+        error.args = (f"{message.removesuffix(UNUSABLE_ENDING)}; {note}; {then}",)
 
 class CallQueue:
     """Calls in send order, at most ``max_in_flight`` of them sent and not answered."""
@@ -253,8 +258,8 @@ class CallQueue:
             CRASHED if isinstance(exc, WorkerCrashed) else
             TIMED_OUT if isinstance(exc, WorkerTimeout) else DESYNC,
             retry=note is not None and self.retry_failed)
-        if note is not None:
-            say_restarting(exc, note)  # raised by a call not yet in flight (a death while idle)
+        if note is not None:  # raised by a call not yet in flight (a death while idle)
+            say_restarting(exc, note, SENT_AGAIN if self.retry_failed else NOT_REPLAYED)
 
     def fail_in_flight(self, error_of: Callable[[Call], BaseException],
                        note: str | None = None, outcome: str = CANCELLED,
@@ -266,11 +271,14 @@ class CallQueue:
         for call in self.in_flight:
             if not call.done:
                 error = error_of(call)
+                again = retry and not call.left and not call.retried and \
+                    call.command is not None
                 if note is not None:
-                    say_restarting(error, note)
+                    say_restarting(error, note, SENT_AGAIN if again else
+                                   SENT_TWICE if retry and call.retried else NOT_REPLAYED)
                 if call.method == Method.SNAPSHOT:
-                    call.settle(None, error)  # nobody waits for it; the session keeps the last
-                elif retry and not call.left and not call.retried and call.command is not None:
+                    call.settle(None, error)  # the caller's own: the last snapshot stays
+                elif again:
                     self.retrying.append((call, error))
                 else:
                     self._settle(call, None, error, outcome)

@@ -70,7 +70,7 @@ class Restarts:
     def after_failure(self, exc: BaseException) -> str | None:
         """Under the queue's lock, as the runner breaks with ``exc``: None, or it restarts
         itself (the queue moves to ``restarting``) and this note goes on the failed
-        calls' errors."""
+        calls' errors (the queue says what becomes of each call)."""
         if self.max_restarts <= 0:
             return None
         now = time.monotonic()
@@ -83,11 +83,9 @@ class Restarts:
         self.thread = threading.Thread(target=self.in_background, daemon=True,
                                        name="reactor-dist-restart")
         self.thread.start()
-        after = "this call is sent again after it (retry_failed)" if self.queue.retry_failed \
-            else "this call is not replayed"
         return (f"the runner is restarting (restart {len(self.spent)} of "
                 f"max_restarts={self.max_restarts} within {self.window:g} s): the next call "
-                f"waits for it; {after}")
+                f"waits for it")
 
     def stop(self) -> None:
         """Shutdown: a restart in progress gives up (within a beat) before anything ends."""
@@ -125,7 +123,7 @@ class Restarts:
             if session is not None:  # every rank restores the snapshot; the calls since
                 path.ranks = supervisor.ranks
                 session.renewed(done.replaced + done.taken)
-                kept, seconds = len(session.since), session.replay(path, deadline, other)
+                kept, seconds = len(session.journal), session.replay(path, deadline, other)
                 done = done._replace(seconds=done.seconds + seconds)
                 replayed = (f"; every rank restored the snapshot and ran the {kept} call"
                             f"{'s' * (kept != 1)} since it again in {seconds:.2f} s")

@@ -4,17 +4,18 @@ With ``DistributedRunner(snapshot_every=K)`` the caller keeps, for one session::
 
     start()   load() ... SNAPSHOT (every rank: snapshot() -> its state, in segments of
                          its snapshot pool that the caller holds from then on)
-    calls     CALL 1 .. CALL K, each kept (its input's segments held, rank 0's digest)
+    calls     CALL 1 .. CALL K, each in the journal (its input's segments held, rank 0's
+              digest)
               SNAPSHOT after the K-th call sent (and after every reset()): once every
               rank returned it, the calls before it and the older snapshot go (their
               segments back to the ranks' pools; a dead rank's are unlinked here)
     a fault   restart (recovery.py: kept ranks, spares, new processes), then
               RESTORE (every rank: restore(its state), read into its own memory)
-              CALL 1' .. (the kept calls again, in order, their results discarded;
+              CALL 1' .. (the journal's calls again, in order, their results discarded;
               rank 0's digest compared with the first run's: a difference is a WARNING)
               then healthy, at the state after the last call that was answered
 
-A snapshot is kept where no rank's death can take it: the segments stay in /dev/shm
+A snapshot lies where no rank's death can take it: the segments stay in /dev/shm
 (a rank's own pool, which only its graceful shutdown unlinks) and the caller holds
 their names; when a rank's process is replaced, the caller unlinks the rest of that
 process's pool and, later, the snapshot's own segments of it.  What the window holds
@@ -44,9 +45,9 @@ log = logging.getLogger("reactor_dist")
 WAIT = 0.1  # seconds: the longest one receive of the replay lasts
 
 
-class Kept(NamedTuple):
-    """An answered call since the last snapshot: enough to run it again and to tell
-    whether the re-run gave what it gave."""
+class Entry(NamedTuple):
+    """A call of the journal (answered since the last snapshot): enough to run it again
+    and to tell whether the re-run gave what it gave."""
 
     seq: int
     what: str
@@ -69,7 +70,7 @@ class Session:
         self.every, self.world_size = every, world_size
         self.shm_dir, self.shm_prefix = shm_dir, shm_prefix
         self.snapshot: Snapshot | None = None
-        self.since: deque[Kept] = deque()
+        self.journal: deque[Entry] = deque()
         self.sent_since = 0  # calls sent since the last SNAPSHOT was sent
         self.orphans: set[str] = set()  # the snapshot's segments of a process gone
         self.snapshots = 0  # complete snapshots taken
@@ -91,19 +92,19 @@ class Session:
                            timeout, behind, Method.SNAPSHOT)
         self.sent_since = 0
         call = Call(seq, Method.SNAPSHOT, timeout)
-        call.watchers = 0  # nobody waits: the collector receives for it
+        call.watchers = 0  # no caller watches it: the collector receives for it
         return call
 
     def answered(self, call: Call, path: CallPath) -> None:
         """Every rank answered ``call`` (one that did not break the runner): a SNAPSHOT
-        replaces the last one; any other call is kept until the next snapshot."""
+        replaces the last one; any other call goes into the journal until the next snapshot."""
         if call.method == Method.SNAPSHOT:
             self.took(call, path)
         elif call.command is not None:
             header = call.replies[0][0]
             digest = header.get(Field.DIGEST) if header.get(Field.STATUS) == Status.OK \
                 else None
-            self.since.append(Kept(call.seq, call.what, call.command, digest))
+            self.journal.append(Entry(call.seq, call.what, call.command, digest))
             call.command = None  # its segments are the window's now
 
     def took(self, call: Call, path: CallPath) -> None:
@@ -116,7 +117,8 @@ class Session:
             record = replies[failed[0]][0].get(Field.ERROR) or ("?", "?", "")
             self.failure = f"rank {failed[0]} raised {record[0]}: {record[1]}"
             log.warning("snapshot() raised on rank %s (%s: %s): the session goes on from "
-                        "the snapshot before it (call %d), and the calls since are kept",
+                        "the snapshot before it (call %d), and a restart runs the calls "
+                        "since it again",
                         ", ".join(map(str, failed)), record[0], record[1],
                         self.snapshot.seq if self.snapshot else 0)
             return
@@ -126,8 +128,8 @@ class Session:
         self.snapshots += 1
         if old is not None:
             self.let_go(old, path)
-        while self.since and self.since[0].seq < call.seq:
-            self.release(self.since.popleft().command, path)
+        while self.journal and self.journal[0].seq < call.seq:
+            self.release(self.journal.popleft().command, path)
 
     def let_go(self, old: Snapshot, path: CallPath) -> None:
         """An older snapshot's segments: back to their rank's pool, or unlinked where
@@ -156,7 +158,7 @@ class Session:
 
     def replay(self, path: CallPath, deadline: float,
                other: Callable[[dict[str, Any]], None]) -> float:
-        """Every rank restores the snapshot, then the kept calls run again in order (their
+        """Every rank restores the snapshot, then the journal's calls run again in order (their
         results discarded): raises what broke it (a failed restart).  Its seconds."""
         began = time.monotonic()
         assert self.snapshot is not None
@@ -167,13 +169,13 @@ class Session:
         calls = [Call(path.publish({Field.KIND: Kind.CALL, Field.METHOD: Method.RESTORE,
                                     Field.STATES: states}, body, None, False, Method.RESTORE),
                       Method.RESTORE, None)]
-        for kept in self.since:
-            seq = path.send_again(kept.command, behind=True)
-            calls.append(Call(seq, kept.command.method, kept.command.timeout))
+        for entry in self.journal:
+            seq = path.send_again(entry.command, behind=True)
+            calls.append(Call(seq, entry.command.method, entry.command.timeout))
         for call in calls:
             call.left = True  # rank 0's results go back unread
-        by_seq = {call.seq: (call, kept) for call, kept in
-                  zip(calls, [None, *self.since], strict=True)}
+        by_seq = {call.seq: (call, entry) for call, entry in
+                  zip(calls, [None, *self.journal], strict=True)}
         head = 0
         clock = time.monotonic()  # when the head call started
         while head < len(calls):
@@ -208,7 +210,7 @@ class Session:
         self.replayed += len(calls) - 1
         return time.monotonic() - began
 
-    def judge_replay(self, call: Call, kept: Kept | None, path: CallPath) -> None:
+    def judge_replay(self, call: Call, entry: Entry | None, path: CallPath) -> None:
         """One call of the replay is answered: a rank that raised where it must not
         fails the restart; rank 0's digest is compared with the first run's."""
         replies = call.replies
@@ -216,18 +218,18 @@ class Session:
         verdict = judge(call.method, path.outcomes(call))
         if any(h.get(Field.STATUS) == Status.RAISED for h, _ in replies.values()):
             path.bus.publish({Field.KIND: Kind.ANSWERED, Field.SEQ: call.seq})
-        if verdict.breaks or (kept is None and verdict.error is not None):
+        if verdict.breaks or (entry is None and verdict.error is not None):
             error = verdict.error
             assert error is not None
-            what = "restore()" if kept is None else f"the replay of {kept.what}"
+            what = "restore()" if entry is None else f"the replay of {entry.what}"
             error.args = (f"{error} (in {what} after the restart)",) if error.args else ()
             raise error
-        if kept is not None and digest != kept.digest:
+        if entry is not None and digest != entry.digest:
             self.differences += 1
             log.warning("the replay of %s after the restart gave rank 0 another result than "
                         "the first run: the model is not deterministic (the session goes on "
                         "from the re-run state; seed its noise and keep the RNG state in "
-                        "snapshot())", kept.what, extra={"call": kept.seq})
+                        "snapshot())", entry.what, extra={"call": entry.seq})
 
     # -- the end --------------------------------------------------------------------------
     def close(self) -> None:
@@ -237,4 +239,4 @@ class Session:
             shm.unlink_quietly(os.path.join(self.shm_dir, name))
         self.orphans.clear()
         self.snapshot = None
-        self.since.clear()
+        self.journal.clear()

@@ -130,3 +130,38 @@ class Noisy(RejoiningRollout):
 class NoHooks(DistributedWorker):
     def generate(self, x):
         return x
+
+
+class SnapshotRaises(RejoiningRollout):
+    """snapshot() raises on every rank at the ``at``-th snapshot (1: the one at start())."""
+
+    def load(self, state_dir: str | None = None, at: int = 1) -> None:
+        super().load(state_dir)
+        self.at, self.snapshots = at, 0
+
+    def snapshot(self):
+        self.snapshots += 1
+        if self.snapshots == self.at:
+            raise OSError(f"snapshot {self.at} failed")
+        return super().snapshot()
+
+
+class RestoreRaises(RejoiningRollout):
+    def restore(self, saved) -> None:
+        raise OSError("restore failed")
+
+
+@dataclasses.dataclass
+class DieAlways:
+    """Rank ``rank`` SIGKILLs itself in every call with this input."""
+
+    rank: int
+
+
+class Dies(RejoiningRollout):
+    def generate(self, x):
+        if isinstance(x, DieAlways):
+            if x.rank == self.rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+            x = 0.0
+        return super().generate(x)

@@ -38,6 +38,9 @@ EXAMPLES = {
         (1, "test_docs_examples.py::test_asyncio_example_runs_as_printed"),
     ("docs/errors-and-recovery.md", "Recovering from a fault"):
         (1, "test_docs_examples.py::test_recovering_from_a_fault_example_runs_as_printed"),
+    ("docs/errors-and-recovery.md", "Sessions that survive a fault: snapshots, replay, "
+                                    "retried calls"):
+        (1, "test_docs_examples.py::test_sessions_example_runs_as_printed"),
     ("docs/more-than-one-machine.md", "Placing the ranks"):
         (1, "test_ray.py::test_more_than_one_machine_example_runs_as_printed"),
     ("docs/more-than-one-machine.md", "Trying it on one machine"):
@@ -130,6 +133,12 @@ def test_recovering_from_a_fault_example_runs_as_printed(tmp_path):
     assert run_block(tmp_path, block).splitlines() == [
         "('a', 1)", "rank 1 exited with code 1 in generate() (call 2): the session lost "
         "its state", "('b', 1) 1"]
+
+
+def test_sessions_example_runs_as_printed(tmp_path):
+    (block,) = examples("docs/errors-and-recovery.md", "Sessions that survive a fault: "
+                        "snapshots, replay, retried calls")
+    assert run_block(tmp_path, block).splitlines() == ["[1, 3, 6, 10] 1", "3 0 1 0"]
 
 
 def test_pipelining_example_runs_as_printed(tmp_path):

@@ -320,3 +320,18 @@ class VideoWorker(DistributedWorker):
 
     def reset(self) -> None:
         self.model.reset()
+
+    def snapshot(self) -> _Rollout:
+        """The session (``snapshot_every=``): the rollout's state, replicated on every
+        rank (a tensor on a GPU crosses as its CPU copy); the weights are not in it."""
+        return self.model.state
+
+    def restore(self, state: _Rollout) -> None:
+        """After a restart: the rollout goes on from the snapshot, on this rank's device."""
+        if state.context_kv is not None:
+            state.context_kv = state.context_kv.to(self.device)
+        self.model.state = state
+
+    def rejoin(self) -> None:
+        """A restart kept this rank: nothing of the model depends on the old group (its
+        collectives use the default group, which the runner forms anew)."""

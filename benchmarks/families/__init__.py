@@ -21,6 +21,7 @@ from benchmarks.families import (
     pipelined,
     placement,
     recovery,
+    sessions,
     startup,
     streaming,
     timings,
@@ -39,4 +40,5 @@ FAMILIES: tuple[tuple[str, ModuleType], ...] = (
     ("start-up", startup),
     ("Ray placement", placement),
     ("recovery", recovery),
+    ("sessions", sessions),
 )
