@@ -198,3 +198,20 @@ def test_demo_runs_end_to_end_and_writes_gif_and_sheet(tmp_path, capsys, pipelin
     assert gif.n_frames == 3 * 8  # 4 steps, one exhausted (recovered), 3 chunks shown
     sheet = Image.open(tmp_path / "demo_sheet.png")
     assert sheet.size == (6 * 56 + 5 * 2, 3 * (32 + 16))
+
+
+def test_demo_fault_kills_rank_1_mid_rollout_and_the_client_sees_the_same_frames(tmp_path,
+                                                                                  capsys):
+    """``make demo DEMO_FLAGS=--fault``: snapshots, the automatic restart and the retried
+    step; every chunk the client received has the checksum of the run without the fault."""
+    argv = ["--world-size", "2", "--device", "cpu", "--out", str(tmp_path), "--fault",
+            "--frames", "8", "--frames-per-group", "4", "--height", "32", "--width", "56",
+            "--steps-per-prompt", "3", "--chunks-per-rollout", "4", "--prompt", "one"]
+    assert demo.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"step  {demo.FAULT_STEP}  SIGKILLed rank 1 (pid " in printed
+    assert "the rest of the step arrived " in printed and "(restarts 1, calls sent again " \
+        in printed
+    assert printed.count("chunk 2") == 2  # the killed step's chunk, in both runs
+    assert ("the frames the client received: identical to the run without the fault "
+            "(3 chunks, SHA-256 each)") in printed
