@@ -19,11 +19,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.sessions",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=FULL.recovery_trials)
+    ap.add_argument("--markdown", action="store_true",
+                    help="the rows as docs/performance.md's table has them")
     args = ap.parse_args(argv)
     settings = dataclasses.replace(FULL, recovery_trials=args.trials)
     results = Results()
     sessions.measure(settings, results)
-    print(tables.text_table(sessions.rows(results, settings)))
+    rows = sessions.rows(results, settings)
+    print(tables.markdown_table(rows) if args.markdown else tables.text_table(rows))
     for note in results.notes:
         print("problem:", note)
     return 1 if results.notes else 0

@@ -29,7 +29,10 @@ class DistributedWorker:
     ``load()``.  ``generate`` runs on every rank with the same input; only rank
     0's return value reaches the caller.  A spare (``DistributedRunner(spares=N)``)
     loads with ``rank`` None and ``is_spare`` true, and gets its rank just before the
-    ``rejoin()`` in which it takes a dead rank's place.
+    ``rejoin()`` in which it takes a dead rank's place.  With
+    ``DistributedRunner(snapshot_every=K)`` a worker also defines ``snapshot(self)``
+    (this rank's session state, not its weights) and ``restore(self, state)``: every
+    restart puts the session back (:mod:`reactor_dist.session`).
     """
 
     rank: int | None = 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import time
 
 import numpy as np
 
@@ -110,11 +111,24 @@ class RejoiningRollout(Rollout):
 
 
 class Streaming(RejoiningRollout):
-    """generate(x) yields three items: the state after the step, +1 and +2."""
+    """generate(x) yields three items: the state after the step, +1 and +2, with an
+    all_reduce before each of the last two.  ``Die`` here kills its rank after the first
+    item (0.3 s later: it has reached the caller), while rank 0 waits in the
+    all_reduce."""
 
     def generate(self, x):
-        state = super().generate(x)
-        for k in range(3):
+        import torch
+        import torch.distributed as dist
+
+        die = x if isinstance(x, Die) else None
+        state = super().generate(die.x if die is not None else x)
+        yield state
+        for k in (1, 2):
+            if die is not None and die.rank == self.rank and not os.path.exists(die.marker):
+                open(die.marker, "w").close()
+                time.sleep(0.3)
+                os.kill(os.getpid(), signal.SIGKILL)
+            dist.all_reduce(torch.ones(1))
             yield state + k
 
 
@@ -165,3 +179,24 @@ class Dies(RejoiningRollout):
                 os.kill(os.getpid(), signal.SIGKILL)
             x = 0.0
         return super().generate(x)
+
+
+class FrameRollout(RejoiningRollout):
+    """generate(frame): a step whose input is an array of SIZE float64 (through shared
+    memory), added to the state as it is, then the rollout's step with x = 0."""
+
+    def generate(self, frame):
+        die = frame if isinstance(frame, Die) else None
+        self.state += die.x if die is not None else frame
+        return super().generate(Die(0.0, die.rank, die.marker) if die is not None else 0.0)
+
+
+def frame_reference(frames: list[np.ndarray], world_size: int) -> list[np.ndarray]:
+    states = [np.zeros(SIZE) for _ in range(world_size)]
+    results = []
+    for frame in frames:
+        for state in states:
+            state += frame
+        step(states, 0.0)
+        results.append(states[0].copy())
+    return results

@@ -49,6 +49,13 @@ def test_quick_bench_runs_and_writes_results(tmp_path: Path) -> None:
             [line] = [ln for ln in text.splitlines() if ln.startswith(f"| {cw}: {loop} |")]
             judged = line.rstrip(" |").endswith(("| yes", "| NO"))
             assert judged == loop.endswith("=2"), line
+    # The session rows (issue 32): each snapshot's cost judged against its floor.
+    for ws in (1, 2):
+        for k in (1, 8):
+            [line] = [ln for ln in text.splitlines()
+                      if ln.startswith(f"| world_size {ws}: a snapshot, snapshot_every={k} |")]
+            assert line.rstrip(" |").endswith(("| yes", "| NO")), line
+    assert any(ln.startswith("| kill -> the call's result (no error;") for ln in text.splitlines())
     assert "Problems in this run" not in text
     assert "generate(1), world_size 2" in proc.stdout  # the table reached stdout
     assert (REPO / "docs" / "performance.md").read_bytes() == page_before  # a full run writes it

@@ -14,9 +14,11 @@ import pytest
 from conftest import our_shm_entries
 from probe import Probe
 from session_workers import (
+    SIZE,
     Die,
     DieAlways,
     Dies,
+    FrameRollout,
     NoHooks,
     Noisy,
     RejoiningRollout,
@@ -24,6 +26,7 @@ from session_workers import (
     Rollout,
     SnapshotRaises,
     Streaming,
+    frame_reference,
     reference,
 )
 
@@ -119,6 +122,29 @@ def test_kept_ranks_a_spare_and_new_processes_all_restore(tmp_path, victim, mode
             assert loads == {0: 2, 1: 2}
 
 
+def test_inputs_through_shared_memory_replay_as_sent_though_the_app_reused_its_buffer(
+        tmp_path):
+    """The app renders every input into one buffer (a camera's frame): the journal's
+    inputs stay in their segments, so the replay runs what was sent, not what the buffer
+    holds now."""
+    rng = np.random.default_rng(7)
+    frames = [rng.random(SIZE) for _ in range(6)]
+    expected = frame_reference(frames, 2)
+    buffer = np.empty(SIZE)
+    with make(FrameRollout, state_dir=tmp_path, snapshot_every=4) as runner:
+        for i in range(3):
+            buffer[:] = frames[i]
+            assert np.array_equal(runner.generate(buffer), expected[i])
+        buffer[:] = -1.0  # what the buffer holds now is nothing the ranks were sent
+        with pytest.raises(WorkerCrashed):
+            runner.generate(Die(frames[3], 1, str(tmp_path / "died")))
+        runner.restart()
+        assert runner.stats().replayed == 3
+        for i in range(3, 6):
+            buffer[:] = frames[i]
+            assert np.array_equal(runner.generate(buffer), expected[i])
+
+
 def test_a_reset_then_a_crash_restores_the_session_after_the_reset(tmp_path):
     expected = reference(XS, 2, reset_after=1)
     with make(state_dir=tmp_path, snapshot_every=100) as runner:
@@ -173,17 +199,21 @@ def test_retry_failed_with_calls_in_flight_settles_every_future_with_its_result(
 
 
 def test_retry_failed_a_stream_hands_over_only_the_items_not_yet_handed_over(tmp_path):
-    """Rank 1 dies after rank 0 yielded the step's items: the retried stream brings
-    nothing twice, and the next call continues the uninterrupted rollout."""
+    """Rank 1 dies after rank 0 yielded the step's first item, which the caller has: the
+    retried stream brings the other two, nothing twice, and the next call continues the
+    uninterrupted rollout."""
     expected = reference(XS, 2)
     with make(Streaming, state_dir=tmp_path, max_restarts=1, retry_failed=True) as runner:
-        first = [list(runner.stream(x)) for x in XS[:2]]
-        assert [len(items) for items in first] == [3, 3]
-        items = list(runner.stream(Die(XS[2], 1, str(tmp_path / "died"))))
-        assert len(items) == 3
-        assert all(np.array_equal(item, expected[2] + k) for k, item in enumerate(items))
+        before = [list(runner.stream(x)) for x in XS[:2]]
+        assert [len(items) for items in before] == [3, 3]
+        stream = runner.stream(Die(XS[2], 1, str(tmp_path / "died")))
+        first = next(stream)
+        rest = list(stream)
+        assert np.array_equal(first, expected[2])
+        assert len(rest) == 2
+        assert all(np.array_equal(item, expected[2] + k) for k, item in enumerate(rest, 1))
         assert np.array_equal(next(iter(runner.stream(XS[3]))), expected[3])
-        assert runner.restarts == 1
+        assert (runner.restarts, runner.stats().retried) == (1, 1)
 
 
 def test_retry_failed_asyncio_gets_its_result(tmp_path):
