@@ -3,7 +3,9 @@
 Both streams share one pipe.  A reader thread forwards each line to the
 application's stderr, prefixed ``[rank N]`` (or, with ``rank_output="log"``, as an
 INFO record of the ``reactor_dist.rank`` logger, with a ``rank`` attribute), and
-keeps the last :data:`TAIL_LINES` for crash and timeout reports.
+keeps the last :data:`TAIL_LINES` for crash and timeout reports.  A line that holds
+one of the rank's log records goes to the application's logging as that record
+(:mod:`reactor_dist.records`).
 
 A faulthandler dump the runner asked for on a timeout (reactor_dist.stacks) is shown
 in the error alone: muted while the runner waits for it, and, when it comes after the
@@ -24,6 +26,8 @@ import sys
 import termios
 import threading
 import time
+
+from . import records
 
 TAIL_LINES = 200  # enough for a faulthandler dump of every thread
 OUTPUT_MODES = ("stderr", "log")  # where a rank's lines go (DistributedRunner rank_output=)
@@ -88,6 +92,14 @@ class RankOutput:
 
     def _emit(self, raw: bytes) -> None:
         line = raw.decode("utf-8", "replace").rstrip("\r")
+        record = records.decode(line) if line.startswith(records.RECORD_MARK) else None
+        if record is not None:  # a log record of the rank's: to the caller's logging
+            self.tail.extend(records.as_text(record))
+            self.lines_seen += 1
+            self.last_output = time.monotonic()
+            if not self.muted:
+                records.handle(record, self.label)
+            return
         self.tail.append(line)
         self.lines_seen += 1
         self.last_output = time.monotonic()

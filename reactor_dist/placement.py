@@ -221,6 +221,7 @@ class RayGroup(Placement):
         hosted, remote = self.ranks[rank], self._remote
         return dict(master_addr=self.ranks[0].address if remote else "",
                     device_index=0 if self.own_gpus else None,
+                    log_levels=None,  # Ray forwards the ranks' output as plain lines
                     **({} if hosted.local else {**remote, "runner_pid": hosted.host_pid}))
 
     def start(self, ranks: Ranks, bootstrap: Callable[[int], Bootstrap], bus: Bus,

@@ -94,7 +94,8 @@ more than a literal.  STATUS is one of :class:`Status`, METHOD one of :class:`Me
 DESCRIPTORS a list of :class:`Descriptor`, ERROR an :class:`ErrorRecord`.
 
 Besides messages: the :class:`Bootstrap` a rank reads from its stdin, the
-torchrun environment variables, the process mark (:data:`MARK_ENV`), and the names
+torchrun environment variables, the process mark (:data:`MARK_ENV`), the log record
+lines of a rank's output (:data:`RECORD_MARK`), and the names
 of /dev/shm entries and ipc directories (:func:`segment_prefix`, :data:`IPC_DIR_PREFIX`),
 which later runners parse to reclaim what a killed runner left.
 """
@@ -325,6 +326,10 @@ class Bootstrap:
     # waits for a REJOIN whose TAKERS give it a rank's place.
     spare: bool = False
     spare_addr: str = ""
+    # The application's logging levels at start (reactor_dist.records: the root's under
+    # ""): the rank sends its log records, as lines of its output, to the caller's
+    # logging; None (placed by Ray): plain lines.
+    log_levels: dict[str, int] | None = None
 
     def to_bytes(self) -> bytes:
         data = pickle.dumps(self, protocol=5)
@@ -380,6 +385,10 @@ OWNER_LOCK = "lock"
 IPC_DIR_PREFIX = "reactor-dist-"
 # In it, the socket where spares say they have loaded (reactor_dist.spares)
 SPARES_SOCKET = "spares"
+# A line of a rank's output that holds one of its log records: this mark, then the
+# record as one JSON object (reactor_dist.records.encode; an ASCII record separator
+# cannot start a line a program prints by chance).
+RECORD_MARK = "\x1ereactor-dist-record "
 
 
 def store_file(epoch: int) -> str:

@@ -47,7 +47,7 @@ from typing import Any
 import psutil
 import zmq
 
-from . import collective_wait, shm, transfer, wire
+from . import collective_wait, records, shm, transfer, wire
 from .device import choose_device, wait_for_device
 from .errors import SharedMemoryExhausted, describe, pickle_exception
 from .group import Rendezvous, block_abort_signal, watch_abort
@@ -56,7 +56,7 @@ from .protocol import STACKS_SIGNAL, Bootstrap, Field, Kind, Method, Status
 from .rank_memory import CALLER, Inbox, RankMemory
 from .worker import import_worker_class
 
-log = logging.getLogger("reactor_dist")  # no handler here: its lines reach [rank N] output
+log = logging.getLogger("reactor_dist")  # its records reach the caller's logging (records.py)
 
 
 def watch_runner(pid: int, on_death) -> None:
@@ -531,7 +531,10 @@ def main(argv: list[str] | None = None) -> int:
     boot = Bootstrap.read(sys.stdin.buffer)
     sys.stdin.close()
     sys.path[:] = boot.sys_path + [p for p in sys.path if p not in boot.sys_path]
-    return RankServer(boot).run()
+    server = RankServer(boot)
+    if boot.log_levels is not None:  # before the worker's import: its records too
+        records.install(boot.log_levels, lambda: server.rank)
+    return server.run()
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import zmq
 
-from . import descriptors, shm, timeouts, transfer
+from . import descriptors, records, shm, timeouts, transfer
 from .bus import Bus, CommandBlocked, private_dir, reclaim_dead_ipc_dirs
 from .errors import (
     MainGuardMissing,
@@ -373,7 +373,8 @@ class Supervisor:
             init_process_group=self._init_process_group, device=self._device,
             start_timeout=timeouts.for_library(self._start_timeout), keep_free=self._keep_free,
             group_timeout=self._group_timeout,
-            sys_path=list(sys.path), device_index=self.gpu_of[rank])
+            sys_path=list(sys.path), device_index=self.gpu_of[rank],
+            log_levels=records.levels())
         return Bootstrap(**{**fields, **self.placement.bootstrap_fields(rank)})
 
     def _start_spare(self, slot: int, gpu: int, label: str) -> Rank:

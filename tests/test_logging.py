@@ -67,3 +67,70 @@ def test_rank_output_as_log_records(caplog, capfd, runner_for):
 def test_rank_output_is_checked():
     with pytest.raises(ValueError, match="rank_output"):
         DistributedRunner(Talks, rank_output="file")
+
+
+class JsonLines(logging.Handler):
+    """The application's own handler: each record as one JSON line (kept here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+        self.setFormatter(JsonFormatter())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        import json
+
+        return json.dumps({"name": record.name, "level": record.levelname,
+                           "message": record.getMessage(), "rank": getattr(record, "rank", None),
+                           "pid": getattr(record, "pid", None), "exc_text": record.exc_text,
+                           "frame": getattr(record, "frame", None),
+                           "tags": getattr(record, "tags", None)})
+
+
+def test_a_ranks_log_records_reach_the_applications_handlers_as_records(capfd, runner_for):
+    import json
+    import time
+
+    from probe import Probe
+    from record_workers import LogsRecords
+
+    model, noisy = logging.getLogger("model"), logging.getLogger("model.noisy")
+    handler = JsonLines()
+    model.addHandler(handler)
+    model.setLevel(logging.INFO)
+    noisy.setLevel(logging.ERROR)
+    try:
+        with runner_for(LogsRecords) as runner:
+            pids = Probe(runner).rank_pids
+            assert runner.generate(3) == 3
+            deadline = time.monotonic() + 20  # the records come through each rank's pipe
+            while len(handler.lines) < 6 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            tails = [Probe(runner).output_lines(rank) for rank in (0, 1)]
+        got = sorted((json.loads(line) for line in handler.lines),
+                     key=lambda r: (r["rank"], r["message"]))
+    finally:
+        model.removeHandler(handler)
+        model.setLevel(logging.NOTSET)
+        noisy.setLevel(logging.NOTSET)
+    assert [(r["rank"], r["level"], r["message"]) for r in got] == [
+        (0, "INFO", "loaded on rank 0"), (0, "INFO", "step 3"), (0, "ERROR", "step 3 failed"),
+        (1, "INFO", "loaded on rank 1"), (1, "INFO", "step 3"), (1, "ERROR", "step 3 failed")]
+    assert {r["name"] for r in got} == {"model"}
+    assert [r["pid"] for r in got] == [pids[0]] * 3 + [pids[1]] * 3
+    steps = [r for r in got if r["message"] == "step 3"]
+    assert [(r["frame"], r["tags"]) for r in steps] == [(6, ["a", "b"])] * 2  # extra fields
+    for failed in (r for r in got if r["level"] == "ERROR"):
+        assert failed["exc_text"].startswith("Traceback (most recent call last):")
+        assert failed["exc_text"].endswith("ValueError: bad frame")
+    for tail in tails:  # below the levels the application set: never sent
+        assert not any("debug 3" in line or "noisy 3" in line for line in tail), tail
+        assert "INFO:model:step 3" in tail
+    err = capfd.readouterr().err
+    assert "[rank 0] plain line" in err and "[rank 1] plain line" in err
+    assert "step 3" not in err  # a record, not a line
