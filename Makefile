@@ -15,7 +15,7 @@ RAY_SPEC ?= ray==2.60.0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER = 0
 export RAY_USAGE_STATS_ENABLED = 0
 
-.PHONY: venv venv-ray docs docs-serve test test-slow prometheus metrics-dashboard stress chaos demo bench bench-quick bench-per-call bench-pipelined bench-recovery bench-sessions gpu-check lint clean
+.PHONY: venv venv-ray venv-models docs docs-serve test test-slow prometheus metrics-dashboard stress chaos demo bench bench-quick bench-per-call bench-pipelined bench-recovery bench-sessions gpu-check lint clean
 
 venv: $(VENV)/.installed
 
@@ -34,6 +34,14 @@ $(VENV)/.ray-installed: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[ray]"
 	touch $@
 
+# The third-party models of workers/ (transformers, diffusers; the `models` extra), for
+# make test-slow and gpu-check only: installed on first use.
+venv-models: $(VENV)/.models-installed
+
+$(VENV)/.models-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[models]"
+	touch $@
+
 # The tests run side by side in TEST_JOBS processes (pytest-xdist): most of a test's time
 # is spent waiting on its ranks, not computing, so more processes than cores pay.  The
 # tests marked `alone` (they need the machine to themselves: the Ray clusters, what
@@ -46,7 +54,7 @@ test: venv-ray
 	$(PYTEST_SIDE_BY_SIDE) -m "not slow and not alone"
 	$(PY) -m pytest -q -m "alone and not slow"
 
-test-slow: venv-ray prometheus
+test-slow: venv-ray venv-models prometheus
 	$(PYTEST_SIDE_BY_SIDE) -m "slow and not alone"
 	$(PY) -m pytest -q -m "slow and alone"
 
@@ -116,7 +124,7 @@ bench-sessions: venv
 # First contact with this machine's GPUs (all of them, up to 8): the GPU-marked tests at
 # world_size N with NCCL, the README Quickstart, the demo on CUDA, frame timings; one table,
 # under 8 minutes. A driver without CUDA in torch fails (see TORCH_SPEC); no GPU: exit 0.
-gpu-check: venv
+gpu-check: venv-models
 	$(PY) -m benchmarks.gpu_check
 
 # The documentation site (mkdocs.yml, docs/): the `docs` extra into the same .venv on first

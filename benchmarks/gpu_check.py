@@ -6,7 +6,9 @@ with a timeout (all of them within ``BUDGET_S``):
 1. the GPU-marked tests (tests/test_gpu.py) at world_size N with the group: NCCL bound
    and formed in ``start()``, an ``all_gather`` on CUDA and on CPU tensors,
    ``shared_empty`` filled from the device (and page-locked), a CUDA tensor returned by
-   rank 0, timings with a deliberately slow rank, ``reactor-dist doctor --device cuda``;
+   rank 0, timings with a deliberately slow rank, ``reactor-dist doctor --device cuda``,
+   and the third-party parallel models (transformers' tensor-parallel Llama, diffusers'
+   context-parallel Wan) on NCCL against the CPU (world_size 2, or 1 on one GPU);
 2. the Quickstart (docs/index.md, the README's too) as printed (world_size 2: skipped on one GPU);
 3. the demo with ``--device cuda``;
 4. the frame timings (``--frames``): 97 MB of frames on the GPU returned as

@@ -153,3 +153,35 @@ def test_collectives_on_cuda_tensors_are_timed_with_device_events(tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.splitlines() == ["3 True True 0 4.0", "0.0"]
+
+
+# The third-party parallel models (workers/hf_llama.py, workers/wan_context.py) on NCCL:
+# float32 weights; on a GPU, cuDNN's convolutions (Wan's patch embedding) may use TF32,
+# hence the tolerance.  One GPU: world_size 1 (NCCL allows one rank per GPU).
+GPU_TOLERANCE = 5e-3
+
+
+def test_transformers_tensor_parallel_llama_on_cuda_matches_the_cpu(tmp_path):
+    from workers.hf_llama import LlamaTP, load_llama, logits, save_tiny_llama
+
+    path = save_tiny_llama(str(tmp_path / "llama"))
+    ids = list(range(3, 35))
+    expected = logits(load_llama(path, None, "cpu"), ids, "cpu")
+    world_size = 2 if gpu_world_size() >= 2 else 1
+    with DistributedRunner(LlamaTP, world_size=world_size, device="cuda",
+                           load_kwargs={"path": path}, call_timeout=120.0) as run:
+        got = run.generate(ids)
+        assert float(abs(got - expected).max()) <= GPU_TOLERANCE
+        assert run.generate("shards") == [(64 // world_size, 64)] * world_size
+
+
+def test_diffusers_context_parallel_wan_on_cuda_matches_the_cpu():
+    from workers.wan_context import WanContextParallel, build_wan, predict
+
+    expected = predict(build_wan(0), 3, "cpu")
+    world_size = 2 if gpu_world_size() >= 2 else 1
+    with DistributedRunner(WanContextParallel, world_size=world_size, device="cuda",
+                           call_timeout=120.0) as run:
+        got = run.generate(3)
+        assert float(abs(got - expected).max()) <= GPU_TOLERANCE
+        assert run.generate(-3) == [128 // world_size] * world_size
