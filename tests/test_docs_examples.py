@@ -28,6 +28,9 @@ EXAMPLES = {
         (1, "test_docs_examples.py::test_bring_your_own_model_examples_run_as_printed"),
     ("docs/bring-your-own-model.md", "A model that uses the runner's torch group"):
         (1, "test_docs_examples.py::test_bring_your_own_model_examples_run_as_printed"),
+    ("docs/bring-your-own-model.md", "torch's own `parallelize_module` and "
+                                    "`torch.distributed.device_mesh.DeviceMesh`"):
+        (1, "test_docs_examples.py::test_parallelize_module_recipe_runs_as_printed"),
     ("docs/bring-your-own-model.md", "Binding each rank to its GPU's NUMA node"):
         (1, "test_numa.py::test_the_docs_numa_launch_prefix_binds_each_rank"),
     ("docs/streaming.md", "A generator worker"):
@@ -133,6 +136,13 @@ def test_recovering_from_a_fault_example_runs_as_printed(tmp_path):
     assert run_block(tmp_path, block).splitlines() == [
         "('a', 1)", "rank 1 exited with code 1 in generate() (call 2): the session lost "
         "its state", "('b', 1) 1"]
+
+
+def test_parallelize_module_recipe_runs_as_printed(tmp_path):
+    (block,) = examples("docs/bring-your-own-model.md",
+                        "torch's own `parallelize_module` and "
+                                    "`torch.distributed.device_mesh.DeviceMesh`")
+    assert run_block(tmp_path, block) == "True True"
 
 
 def test_sessions_example_runs_as_printed(tmp_path):

@@ -83,6 +83,7 @@ FOREIGN_ROOTS = frozenset({
     "torch", "dist",  # dist: torch.distributed, as its documentation imports it
     "np", "numpy", "ray", "zmq", "msgpack", "psutil", "prometheus_client", "opentelemetry",
     "pytest", "hypothesis",
+    "transformers", "diffusers",  # the third-party models' frameworks (workers/, the recipes)
     "loop",  # an asyncio event loop (loop.add_reader)
 })
 # The folders where a bare file name (rule 1) may live.
