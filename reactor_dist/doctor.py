@@ -124,9 +124,13 @@ def check_gpus(world_size: int, device: str) -> list[Check]:
     except ImportError:
         count = 0
     ok = count >= world_size
+    fix = "" if ok else (
+        f"lower --world-size to {count}, or make {world_size} GPUs visible "
+        f"(CUDA_VISIBLE_DEVICES, the container's --gpus)" if count else
+        "no GPU is visible: run with --device cpu, or make GPUs visible (an NVIDIA driver "
+        "and a CUDA build of torch; CUDA_VISIBLE_DEVICES, the container's --gpus)")
     checks.append(Check("GPUs", ok, f"{count} visible, {world_size} needed (one per rank)",
-                        "" if ok else f"lower --world-size to {count}, or make {world_size} "
-                        f"GPUs visible (CUDA_VISIBLE_DEVICES, the container's --gpus)"))
+                        fix))
     return checks
 
 

@@ -143,14 +143,17 @@ class PlacementFailed(ReactorDistError, RuntimeError):
 class RemoteError(ReactorDistError, RuntimeError):
     """Stands in for a rank's exception that could not cross the process boundary."""
 
-    def __init__(self, type_name: str, message: str, traceback_text: str) -> None:
-        super().__init__(f"{type_name}: {message}")
+    def __init__(self, type_name: str, message: str, traceback_text: str,
+                 reason: str = "") -> None:
+        why = f" (a RemoteError stands in for {type_name}: {reason})" if reason else ""
+        super().__init__(f"{type_name}: {message}{why}")
         self.type_name = type_name
         self.message = message
         self.traceback_text = traceback_text
+        self.reason = reason  # why the original could not cross
 
-    def __reduce__(self):  # keeps the three fields through a pickle round trip
-        return (type(self), (self.type_name, self.message, self.traceback_text))
+    def __reduce__(self):  # keeps the four fields through a pickle round trip
+        return (type(self), (self.type_name, self.message, self.traceback_text, self.reason))
 
 
 class RemoteTraceback(Exception):
@@ -199,13 +202,19 @@ def rebuild_exception(info: ErrorRecord, data: bytes | None, rank: int | str) ->
     """The caller-side exception of one rank (or of a spare: ``rank`` its label, "spare 2"):
     the original when possible, else RemoteError."""
     exc: BaseException | None = None
+    reason = ("it does not pickle and load again in the rank (an attribute that does not "
+              "pickle, or an __init__ whose arguments are not its args)")
     if data is not None:
         try:
             exc = pickle.loads(data)
-        except Exception:
+        except Exception as failed:
             exc = None
+            reason = (f"its pickle does not load in this process ({type(failed).__name__}: "
+                      f"{failed}; is the class importable here, by the same module name?)")
     if not isinstance(exc, BaseException):
-        exc = RemoteError(info.type, info.message, info.traceback)
+        exc = RemoteError(info.type, info.message, info.traceback,
+                          f"{reason}; define it at module level of a module both sides "
+                          f"import, its __init__ rebuilt from its args")
     where = rank if isinstance(rank, str) else f"rank {rank}"
     exc.__cause__ = RemoteTraceback(f"\n[{where}] remote traceback:\n{info.traceback}")
     exc.remote_rank = rank if isinstance(rank, int) else None  # type: ignore[attr-defined]

@@ -438,8 +438,11 @@ class Supervisor:
             if header.get(Field.STATUS) == Status.RAISED:
                 raised[rank] = (ErrorRecord.parse(header.get(Field.ERROR)),
                                 (body[0] if body else b"") or None)
+        bound = {"start()": " (start_timeout: raise it if load() really takes longer)",
+                 "restart()": " (restart(timeout=), start_timeout by default: raise it if "
+                              "load() really takes longer)"}.get(what, "")
         error = timeout_error(f"no answer from rank {', '.join(map(str, silent))} within "
-                              f"{timeout:g} s during {what}", raised,
+                              f"{timeout:g} s during {what}{bound}", raised,
                               self.ranks.stacks(silent))
         error.failures = (
             self.ranks.failures(silent, self.devices, seq=seq, method=method) +

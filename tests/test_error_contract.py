@@ -191,7 +191,9 @@ def test_start_timeout_when_load_hangs(runner_for):
     # Rank 0 must finish its start (0.3 s on an idle machine) within the timeout for
     # rank 1 alone to be named: 5 s leaves room for a loaded machine (1 s did not).
     runner = runner_for(HangsInLoadOnRank, 2, load_kwargs={"rank": 1}, start_timeout=5.0)
-    with pytest.raises(WorkerTimeout, match="no answer from rank 1 within 5 s during start"):
+    with pytest.raises(WorkerTimeout, match=r"no answer from rank 1 within 5 s during start\(\) "
+                                            r"\(start_timeout: raise it if load\(\) really "
+                                            r"takes longer\)"):
         runner.start()
     assert not runner.healthy
 
@@ -271,3 +273,18 @@ def test_a_shm_error_on_rank1_alone_is_a_desync_not_swallowed(runner_for):
         with pytest.raises(RankDesync, match="rank 1 raised .*SharedMemoryExhausted"):
             runner.generate(FAULT)
         assert not runner.healthy
+
+
+def test_a_remote_error_says_why_it_stands_in_for_the_original(runner_for):
+    with runner_for(Raises, 2, load_kwargs={"error": Unpicklable}) as runner:
+        with pytest.raises(RemoteError) as info:
+            runner.generate(FAULT)
+    assert str(info.value).startswith(
+        "sample_workers.Unpicklable: boom on rank 0 (a RemoteError stands in for "
+        "sample_workers.Unpicklable: it does not pickle and load again in the rank")
+    assert info.value.reason.endswith("define it at module level of a module both sides "
+                                      "import, its __init__ rebuilt from its args")
+    with runner_for(RaisesNeedsTwoArgs, 2) as runner:
+        with pytest.raises(RemoteError, match=r"NeedsTwoArgs: it does not pickle and load "
+                                              r"again in the rank \(an attribute"):
+            runner.generate(FAULT)
