@@ -70,27 +70,57 @@ def _close(supervisor: Supervisor, queue: CallQueue, restarts: Restarts) -> None
 class DistributedRunner:
     """Runs ``worker_cls`` in ``world_size`` rank processes; every call reaches every rank.
 
-    Options past the Reactor API: ``device`` ("auto", "cpu" or "cuda"), ``gpus``
-    (physical GPU ids, one per rank; sets CUDA_VISIBLE_DEVICES), ``env`` (extra
-    environment of the ranks), ``launch_prefix`` (wraps each rank's command,
-    ``{rank}`` substituted), ``shm_dir``, ``keep_free_segments`` (idle warm
-    segments each pool keeps), ``shutdown_grace`` (seconds the ranks of a healthy
-    runner get to exit before SIGTERM), ``max_in_flight`` (calls sent and not yet answered,
-    at most: see :meth:`submit`), ``rank_output`` ("stderr": each rank's lines,
-    ``[rank N]``-prefixed, on this process's stderr; "log": as INFO records of the
-    ``reactor_dist.rank`` logger), ``max_restarts`` and ``restart_window`` (restarts by
-    itself after a fault, at most that many within that many seconds), ``spares``
-    (processes loaded with no rank, each of which takes a dead rank's place at a restart:
-    see :meth:`restart`), ``snapshot_every`` (K: every rank's ``snapshot()`` after every K
-    calls and every reset(); a restart restores it and runs the calls since again:
-    :mod:`reactor_dist.session`) and ``retry_failed`` (the calls a fault failed are sent
-    again after the automatic restart: their callers get results, not errors).
+    The runner starts one process per rank (one per GPU), sends every call to every
+    rank, waits for all of them and returns rank 0's result; failures follow the error
+    contract (docs: Errors and recovery).  Nothing starts until :meth:`start` (or
+    ``with runner:``).
 
-    ``placement="ray"`` places the ranks on a Ray cluster (``ray.init(address="auto")``
-    unless Ray is initialised here): one placement group of ``world_size`` bundles of
-    ``ray_bundle`` (default ``{"GPU": 1}`` for CUDA, ``{"CPU": 1}`` for CPU) under
-    ``ray_strategy`` ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"); rank 0 on this
-    node where it has room.  See :mod:`reactor_dist.placement`.
+    :param worker_cls: a module-level class with ``load(**load_kwargs)``,
+        ``generate(input)`` and ``reset()`` (:class:`DistributedWorker` is an optional
+        base); optional hooks ``rejoin()``, ``snapshot()``/``restore(state)``.
+    :param world_size: how many ranks (processes, one GPU each on CUDA).
+    :param load_kwargs: keyword arguments of every rank's ``load()``; they must pickle.
+    :param call_timeout: seconds each call may wait for an answer from every rank,
+        counted from when the ranks start it (None: no limit); a late answer is a
+        WorkerTimeout and the runner unusable.  Raise it, or warm up, for a slow first
+        call (``torch.compile``, CUDA graphs).  ``generate(x, timeout=)`` overrides it.
+    :param start_timeout: seconds for :meth:`start` (every rank's import, group and
+        ``load()``) and, by default, :meth:`restart` (None: no limit).
+    :param init_process_group: form the torch.distributed group before ``load()``
+        (gloo on CPU, NCCL for CUDA tensors); False for a model that forms its own.
+    :param device: "auto" (a GPU per rank where CUDA is present, else the CPU), "cpu"
+        or "cuda".
+    :param gpus: the physical GPU ids to use, one per rank (then one per spare); sets
+        each rank's CUDA_VISIBLE_DEVICES.
+    :param env: extra environment variables of the ranks.
+    :param launch_prefix: a command that wraps each rank's (``{rank}`` substituted),
+        e.g. ``[sys.executable, "-m", "reactor_dist.numa", "{rank}"]``.
+    :param shm_dir: where shared-memory segments live (/dev/shm).
+    :param keep_free_segments: idle warm segments each shared-memory pool keeps.
+    :param shutdown_grace: seconds the ranks of a healthy runner get to exit at
+        :meth:`shutdown` before SIGTERM; also how long a restart waits for a survivor.
+    :param rank_output: "stderr" (each rank's output lines, ``[rank N]``-prefixed, on
+        this process's stderr) or "log" (INFO records of the ``reactor_dist.rank``
+        logger); a rank's own logging records go to the application's loggers either way.
+    :param placement: "local" (processes on this machine) or "ray" (a Ray placement
+        group: see :mod:`reactor_dist.placement`).
+    :param ray_bundle: with ``placement="ray"``, each rank's bundle (default
+        ``{"GPU": 1}`` for CUDA, ``{"CPU": 1}`` for CPU).
+    :param ray_strategy: with ``placement="ray"``: "PACK", "SPREAD", "STRICT_PACK" or
+        "STRICT_SPREAD"; rank 0 on this node where it has room.
+    :param max_in_flight: calls sent to the ranks and not yet answered, at most (see
+        :meth:`submit`).
+    :param max_restarts: restarts the runner makes by itself after a crash, timeout or
+        desync (0: never; it stays unusable until :meth:`restart`).
+    :param restart_window: the seconds within which at most ``max_restarts`` restarts
+        happen; past that the runner stays unusable.
+    :param spares: processes loaded with no rank, each of which takes a dead rank's
+        place at a restart without a ``load()`` (needs ``rejoin()``; local only).
+    :param snapshot_every: K: every rank's ``snapshot()`` after every K calls and every
+        ``reset()``; each restart restores it and runs the calls since again (0: off).
+    :param retry_failed: the calls a fault failed are sent again after the automatic
+        restart, and their callers get results (needs ``snapshot_every`` and
+        ``max_restarts``).
     """
 
     def __init__(self, worker_cls: type, *, world_size: int = 1,

@@ -128,3 +128,12 @@ def test_rank_entry_point_refuses_to_run_without_bootstrap(entry):
     out = subprocess.run(entry, input=b"", capture_output=True, timeout=60)
     assert out.returncode != 0
     assert b"started by DistributedRunner" in out.stderr
+
+
+def test_the_runner_docstring_describes_every_constructor_option_in_order():
+    """The API page (mkdocstrings) shows each option with its default from these."""
+    import inspect
+    import re
+
+    options = list(inspect.signature(DistributedRunner.__init__).parameters)[1:]
+    assert re.findall(r":param (\w+):", DistributedRunner.__doc__ or "") == options
