@@ -118,3 +118,23 @@ def test_cpu_ranks_need_a_core_each():
     assert lines[row + 1].strip() == (f"fix: lower --world-size to {cores}, or run the "
                                       f"ranks on GPUs (--device cuda)")
     assert lines[-1] == "1 check failed"
+
+
+def test_the_sample_output_on_the_page_is_what_doctor_prints_now():
+    """docs/seeing-inside-a-step.md's sample: the same header, the same checks in the
+    same order, the same verdict; what each check found is this machine's."""
+    from docs_pages import blocks
+
+    (sample,) = [b.code for b in blocks("docs/seeing-inside-a-step.md")
+                 if b.heading == "Checking a machine: doctor" and b.language == "text"]
+    command, *shown = sample.strip().splitlines()
+    assert command == "$ reactor-dist doctor --device cpu --world-size 2"
+    out = subprocess.run([sys.executable, "-m", "reactor_dist", "doctor", "--device", "cpu",
+                          "--world-size", "2"], capture_output=True, text=True, timeout=120)
+    printed = out.stdout.strip().splitlines()
+
+    def check(line: str) -> str:  # its mark and name: the table pads them with 2+ spaces
+        return line.split("  ")[0]
+
+    assert printed[0] == shown[0] and printed[-1] == shown[-1]
+    assert [check(line) for line in printed[1:-1]] == [check(line) for line in shown[1:-1]]
