@@ -330,7 +330,8 @@ class CallQueue:
                 self.fail_retries(lambda error: f"{error}; the runner restarted to send this "
                                   f"call again, and the restart failed: "
                                   f"{type(failure).__name__}: {failure}")
-            return True
+        self.settle_futures()  # the calls that failed here: no collector runs for them now
+        return True
 
     def send_retries(self) -> None:
         """Under the lock, healthy again after an automatic restart: the calls the fault

@@ -29,6 +29,7 @@ from . import recovery, timeouts
 from .call_queue import CallQueue
 
 log = logging.getLogger("reactor_dist")
+END_WAIT = 30.0  # seconds restart() waits for a failed restart of its own to end its ranks
 
 
 def first_line(exc: BaseException) -> str:
@@ -106,6 +107,11 @@ class Restarts:
         every rank is ended: restart() and shutdown() both work at once after it."""
         queue = self.queue
         supervisor = queue.supervisor
+        thread = self.thread
+        if thread is not None and thread is not threading.current_thread():
+            # restart() right after a restart of its own failed: that one ends its ranks
+            # after it moved the queue to unusable; this one starts once they are ended.
+            thread.join(timeout=END_WAIT)
         try:
             last_seq, why = queue.take_over_for_restart()
             path = queue.path

@@ -317,3 +317,17 @@ def test_a_retried_call_that_fails_again_raises_and_the_budget_bounds_it(tmp_pat
         runner.wait_idle(timeout=120)  # the second restart, by itself
         assert runner.restarts == 2 and runner.stats().retried == 1
         assert np.array_equal(runner.generate(XS[1]), reference(XS, 2)[1])
+
+
+def test_a_failed_automatic_restart_settles_the_futures_waiting_to_be_sent_again(tmp_path):
+    """retry_failed, and the restart fails (restore() raises): the submitted call's future
+    gets its error, saying so, instead of waiting for ever."""
+    with make(RestoreRaises, state_dir=tmp_path, max_restarts=1, retry_failed=True) as runner:
+        runner.generate(1.0)
+        future = runner.submit(Die(2.0, 1, str(tmp_path / "died")))
+        with pytest.raises(WorkerCrashed, match=r"(?s)this call is sent again after it "
+                                                r"\(retry_failed\); the runner restarted to "
+                                                r"send this call again, and the restart "
+                                                r"failed: OSError: restore failed"):
+            future.result(timeout=120)
+        assert not runner.healthy
