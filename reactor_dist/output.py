@@ -92,7 +92,7 @@ class RankOutput:
 
     def _emit(self, raw: bytes) -> None:
         line = raw.decode("utf-8", "replace").rstrip("\r")
-        record = records.decode(line) if line.startswith(records.RECORD_MARK) else None
+        record = records.decode(line)
         if record is not None:  # a log record of the rank's: to the caller's logging
             self.tail.extend(records.as_text(record))
             self.lines_seen += 1

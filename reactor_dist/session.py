@@ -77,6 +77,7 @@ class Session:
         self.replayed = 0  # calls run again by restarts
         self.differences = 0  # of those, how many gave rank 0 another result
         self.failure = ""  # why the last snapshot failed, if it did
+        self.answered_due = 0  # the replay's Kind.ANSWERED not yet sent (a full pipe)
 
     # -- while healthy (under the queue's lock) ----------------------------------------
     def due(self, call: Call) -> bool:
@@ -178,7 +179,11 @@ class Session:
                   zip(calls, [None, *self.journal], strict=True)}
         head = 0
         clock = time.monotonic()  # when the head call started
+        self.answered_due = 0  # a Kind.ANSWERED a full pipe refused: tried again each turn
         while head < len(calls):
+            if self.answered_due and path.bus.publish(
+                    {Field.KIND: Kind.ANSWERED, Field.SEQ: self.answered_due}):
+                self.answered_due = 0
             call = calls[head]
             limit = deadline if call.timeout is None else min(deadline, clock + call.timeout)
             now = time.monotonic()
@@ -217,7 +222,11 @@ class Session:
         digest = replies[0][0].get(Field.DIGEST)
         verdict = judge(call.method, path.outcomes(call))
         if any(h.get(Field.STATUS) == Status.RAISED for h, _ in replies.values()):
-            path.bus.publish({Field.KIND: Kind.ANSWERED, Field.SEQ: call.seq})
+            # The ranks that raised hold the next call until told (never dropped: a full
+            # pipe keeps it due, and the replay's loop sends it again).
+            self.answered_due = call.seq
+            if path.bus.publish({Field.KIND: Kind.ANSWERED, Field.SEQ: call.seq}):
+                self.answered_due = 0
         if verdict.breaks or (entry is None and verdict.error is not None):
             error = verdict.error
             assert error is not None
