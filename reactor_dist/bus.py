@@ -162,13 +162,16 @@ class Bus:
         self._pub_open = False  # a multipart command is half-sent (interrupted)
         self.pub_lock = threading.Lock()  # the caller's thread and the releaser's
         self.auth: Any = None  # zmq.auth's thread, once open_tcp() admits remote ranks
+        # The spares' socket (spares.py, which reads and closes it), for open_tcp.
+        self.spare_pull: zmq.Socket | None = None
         self._pull_timeout = -1  # the PULL socket's RCVTIMEO, in ms
 
-    def open_tcp(self, address: str, clients: set[bytes]) -> tuple[str, str, bytes]:
-        """Bind both sockets on ``address`` (this node's, as Ray reports it) too, for
-        ranks on other nodes: CurveZMQ under a new server keypair, and only the
-        ``clients``' public keys admitted (zmq.auth); the ipc endpoints, bound before,
-        stay plain.  Returns (command address, reply address, server public key)."""
+    def open_tcp(self, address: str, clients: set[bytes]) -> tuple[str, str, str, bytes]:
+        """Bind both sockets, and the spares' (:attr:`spare_pull`) where there is one, on
+        ``address`` (this node's, as Ray reports it) too, for ranks on other nodes:
+        CurveZMQ under a new server keypair, and only the ``clients``' public keys
+        admitted (zmq.auth); the ipc endpoints, bound before, stay plain.  Returns
+        (command address, reply address, spares' address or "", server public key)."""
         from zmq.auth.thread import ThreadAuthenticator
 
         public, secret = zmq.curve_keypair()
@@ -178,7 +181,10 @@ class Bus:
                                            credentials_provider=_Admitted(clients))
         host = f"[{address}]" if ":" in address else address
         addresses = []
-        for sock in (self.pub, self.pull):
+        for sock in (self.pub, self.pull, self.spare_pull):
+            if sock is None:
+                addresses.append("")
+                continue
             if ":" in address:
                 sock.setsockopt(zmq.IPV6, 1)
             sock.curve_server, sock.curve_secretkey, sock.curve_publickey = True, secret, public
@@ -186,7 +192,7 @@ class Bus:
             port = sock.bind_to_random_port(f"tcp://{host}")
             addresses.append(f"tcp://{host}:{port}")
         self.server_key = public
-        return addresses[0], addresses[1], public
+        return addresses[0], addresses[1], addresses[2], public
 
     def publish(self, header: dict[str, Any], body: list | tuple = (),
                 deadline: float | None = None) -> bool:

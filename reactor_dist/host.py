@@ -13,7 +13,9 @@ bootstrap on stdin, output pump, pidfd death watch) and answers the runner::
                                           and the last lines when it dies
     stacks()       -------------------->  SIGUSR1 -> faulthandler dump lines
     signal(sig)    -------------------->  sig to the rank's process group
-    relaunch(boot) -------------------->  what is left ends; the rank starts again
+    relaunch(boot) -------------------->  what is left ends; the rank (or a spare)
+                                          starts again
+    become(rank)   -------------------->  the spare here is that rank from now on
     end_rank()     -------------------->  graceful wait, then kill the group; host stays
     stop(grace)    -------------------->  the same, and the lifeline closed
 
@@ -74,33 +76,45 @@ class RankHost:
 
     def launch(self, bootstrap: bytes, env: dict[str, str], launch_prefix: list[str],
                torch_env: dict[str, str], lifeline: tuple[str, int] | None,
-               threads: str | None = None) -> int:
-        """Start the rank; its pid.  ``lifeline``: the runner's address to hold on to;
-        ``threads``: the runner's OMP_NUM_THREADS (the rank's, not Ray's)."""
+               threads: str | None = None, label: str = "") -> int:
+        """Start the rank (a spare: ``label`` names it); its pid.  ``lifeline``: the
+        runner's address to hold on to; ``threads``: the runner's OMP_NUM_THREADS (the
+        rank's, not Ray's)."""
         if lifeline is not None:  # first: a runner already gone gets no rank started
             self._hold(lifeline)
         set_rank_threads(threads)
         self._launched = (env, launch_prefix, torch_env)
-        return self._spawn(bootstrap)
+        return self._spawn(bootstrap, label)
 
-    def _spawn(self, bootstrap: bytes) -> int:
+    def _spawn(self, bootstrap: bytes, label: str = "") -> int:
         boot = Bootstrap.read_bytes(bootstrap)
         if boot.curve is not None:  # the secret key is born here and stays here
             boot = dataclasses.replace(boot, curve=(boot.curve[0], self._public, self._secret))
         env, launch_prefix, torch_env = self._launched
         proc = RankProcess.spawn(self.rank, self.world_size, boot.to_bytes(), master_port=0,
                                  env=env, gpus=None, launch_prefix=launch_prefix,
-                                 torch_env=torch_env)
+                                 torch_env=torch_env, label=label)
         self.ranks.add(proc)
         return proc.pid
 
-    def relaunch(self, bootstrap: bytes) -> int:
-        """restart(): whatever is left of the rank ends; the rank starts again here (same
-        node, same bundle, same GPUs); its pid."""
+    def relaunch(self, bootstrap: bytes, torch_env: dict[str, str] | None = None,
+                 label: str = "") -> int:
+        """restart(): whatever is left of the rank ends; the rank (or a spare: ``label``)
+        starts again here (same node, same bundle, same GPUs; ``torch_env``: its
+        torchrun environment where it is not the last one's); its pid."""
         self.end_rank()
         died = self.died = threading.Event()
         self.ranks = Ranks(lambda ranks: died.set())
-        return self._spawn(bootstrap)
+        if torch_env is not None:
+            env, launch_prefix, _ = self._launched
+            self._launched = (env, launch_prefix, torch_env)
+        return self._spawn(bootstrap, label)
+
+    def become(self, rank: int) -> None:
+        """The spare here took rank ``rank``'s place: reports and lines name that rank."""
+        self.rank = rank
+        for proc in self.ranks.procs:
+            proc.become(rank)
 
     def end_rank(self, grace: float = 0.0, term_grace: float = TERM_GRACE) -> None:
         """The rank ends (a restart replaces it, or failed; or the runner shuts down):

@@ -2,8 +2,9 @@
 
 Ray reserves and places; the rest is the local runner's::
 
-    reserve()   a placement group of world_size bundles (rank i in bundle i); bundle 0
-                pinned to the caller's node (label ray.io/node-id) where it has room
+    reserve()   a placement group of world_size + spares bundles (rank i in bundle i, the
+                spares in the bundles after); bundle 0 pinned to the caller's node
+                (label ray.io/node-id) where it has room
     hosts       one RankHost actor per bundle (reactor_dist.host): where() -> node id,
                 pid, the rank's CurveZMQ public key; a node's address is the one Ray
                 reports for it (ray.nodes()), never a guess at the machine's
@@ -11,7 +12,11 @@ Ray reserves and places; the rest is the local runner's::
                 other nodes: the runner's sockets on TCP at its node's address, CurveZMQ
                 with only the hosts' keys admitted, payloads in-band, the group's store
                 a TCPStore on rank 0's node
-    launch()    each host starts its rank (same rank code, same bootstrap)
+    launch()    each host starts its rank (same rank code, same bootstrap); a spare's
+                host its spare (start_spare), which reaches the spares' socket over
+                TCP too where it runs on another node
+    takeover    a spare's handle becomes the dead rank's (its host: become()); the dead
+                rank's bundle holds the next spare
     watch       a thread waits on every host's exited(): a rank's death (or its host's,
                 or its node's) is a death notice like a local one
     lifeline    each host holds a TCP connection to the runner: broken, it ends its rank
@@ -40,6 +45,7 @@ from .host import RankHost
 from .processes import DeathWatch, LocalPlacement, Placement, Rank, Ranks
 from .protocol import MAX_FRAME_ENV, MAX_MESSAGE_ENV, Bootstrap, torchrun_env
 from .ray_view import THREADS_ENV, check_own_gpus, connect, local_place
+from .spares import spare_label
 
 if TYPE_CHECKING:
     from .bus import Bus
@@ -88,13 +94,13 @@ def check_ray_options(placement: str, bundle: Any, strategy: Any) -> RaySpec | N
 
 def placement_for(spec: RaySpec | None, *, world_size: int, device: str,
                   env: dict[str, str], launch_prefix: list[str], gpus: list[int] | None,
-                  rank_output: str, start_timeout: float | None) -> Placement:
+                  rank_output: str, start_timeout: float | None, spares: int = 0) -> Placement:
     """The runner's placement: ``spec`` (check_ray_options) None is placement="local"."""
     if spec is None:
         return LocalPlacement(world_size, env=env, gpus=gpus, launch_prefix=launch_prefix,
                               output=rank_output)
     return RayGroup(world_size, spec, device, env=env, launch_prefix=launch_prefix,
-                    start_timeout=start_timeout)
+                    start_timeout=start_timeout, spares=spares)
 
 
 class HostedRank(Rank):
@@ -109,6 +115,25 @@ class HostedRank(Rank):
         self.report: str | None = None  # its crash report, once dead
         self.returncode: int | None = None  # once dead, as its host saw it (None: unknown)
         self.lines: list[str] = []  # its last lines, once dead (its host keeps them)
+        self._exit: tuple[int, Any] | None = None  # (pid, its host's exited() on its way)
+
+    def in_same_bundle(self, rank: int) -> HostedRank:
+        """A new handle on what its host runs next (a spare, slot ``rank``)."""
+        return HostedRank(rank, self.host, self.node, self.address, self.host_pid,
+                          self.local, self.hostname)
+
+    def exit_ref(self) -> Any:
+        """Its host's ``exited()`` for this process, asked once: each such call holds
+        one of the host's threads until the process dies, and every watch shares it."""
+        if self._exit is None or self._exit[0] != self.pid:
+            self._exit = (self.pid, self.host.exited.remote())
+        return self._exit[1]
+
+    def become(self, rank: int) -> None:
+        """A spare's handle is rank ``rank``'s now; its host names it so too."""
+        self.rank = rank
+        with contextlib.suppress(Exception):  # its host gone: its death tells the rest
+            self.host.become.remote(rank)
 
     @property
     def launcher_pid(self) -> int:
@@ -196,12 +221,17 @@ class RayGroup(Placement):
     """placement="ray": the placement group, the hosts and their watch, of one runner."""
 
     def __init__(self, world_size: int, spec: RaySpec, device: str, *, env: dict[str, str],
-                 launch_prefix: list[str], start_timeout: float | None) -> None:
+                 launch_prefix: list[str], start_timeout: float | None,
+                 spares: int = 0) -> None:
         self.ray = import_ray()
         self.world_size, self.spec, self.device = world_size, spec, device
         self.env, self.launch_prefix, self.start_timeout = env, launch_prefix, start_timeout
+        self.bundles = world_size + spares  # the spares' after the ranks'
         self.group: Any = None
-        self.ranks: list[HostedRank] = []
+        self.hosts: list[HostedRank] = []  # each bundle's first handle (its place)
+        self.ranks: list[HostedRank] = []  # each rank's handle now
+        self.launched: set[int] = set()  # the places whose host launched a process
+        self.master_port = 0
         self.bundle: dict[str, float] = {}
         self.lifeline: socket.socket | None = None
         self._remote: dict[str, Any] = {}  # a rank on another node: the bus's TCP side
@@ -218,11 +248,22 @@ class RayGroup(Placement):
     def bootstrap_fields(self, rank: int) -> dict[str, Any]:
         """On another node than the runner, the bus over TCP (CurveZMQ), the group's
         store at rank 0's node; its own GPUs alone (ray_view)."""
-        hosted, remote = self.ranks[rank], self._remote
-        return dict(master_addr=self.ranks[0].address if remote else "",
+        return self._fields_for(self.ranks[rank])
+
+    def spare_fields(self, place: int) -> dict[str, Any]:
+        """A spare's, in bundle ``place``: a rank's, and on another node than the runner
+        the spares' socket over TCP."""
+        return self._fields_for(self.hosts[place])
+
+    def _fields_for(self, hosted: HostedRank) -> dict[str, Any]:
+        remote = self._remote
+        return dict(master_addr=self.store_address(),
                     device_index=0 if self.own_gpus else None,
                     log_levels=None,  # Ray forwards the ranks' output as plain lines
                     **({} if hosted.local else {**remote, "runner_pid": hosted.host_pid}))
+
+    def store_address(self) -> str:
+        return self.ranks[0].address if self._remote else ""
 
     def start(self, ranks: Ranks, bootstrap: Callable[[int], Bootstrap], bus: Bus,
               deadline: float) -> None:
@@ -231,8 +272,8 @@ class RayGroup(Placement):
         self.reserve(timeouts.for_library(max(deadline - time.monotonic(), 0.01)),
                      timeouts.for_library(self.start_timeout))
         if self.spans_nodes:
-            cmd, reply, server = bus.open_tcp(self.address, self.remote_keys())
-            self._remote = {"cmd_addr": cmd, "reply_addr": reply,
+            cmd, reply, spares, server = bus.open_tcp(self.address, self.remote_keys())
+            self._remote = {"cmd_addr": cmd, "reply_addr": reply, "spare_addr": spares,
                             "curve": (server, b"", b""), "shared_memory": False}
         boots = []
         for hosted in self.ranks:
@@ -267,7 +308,7 @@ class RayGroup(Placement):
         if self.group is None and not self._try_group(
                 pinned=False, wait=deadline - time.monotonic()):
             raise PlacementFailed(
-                f"Ray could not reserve {self.world_size} bundles of {_fmt(self.bundle)} "
+                f"Ray could not reserve {self._bundles_named()} of {_fmt(self.bundle)} "
                 f"({self.spec.strategy}) within start_timeout={stated:g} s: the cluster "
                 f"has {_fmt(ray.cluster_resources())} in all, {_fmt(ray.available_resources())}"
                 f" free; nothing was left reserved")
@@ -281,7 +322,7 @@ class RayGroup(Placement):
     def _check_feasible(self, nodes: list[dict]) -> None:
         """Fail at once when the cluster's nodes could never hold the bundles."""
         fits = [_fits(n["Resources"], self.bundle) for n in nodes]
-        strategy, n = self.spec.strategy, self.world_size
+        strategy, n = self.spec.strategy, self.bundles
         ok = {"STRICT_PACK": max(fits, default=0) >= n,
               "STRICT_SPREAD": sum(f >= 1 for f in fits) >= n}.get(strategy, sum(fits) >= n)
         if ok:
@@ -295,15 +336,25 @@ class RayGroup(Placement):
         why = f"missing {_fmt(missing)}" if missing else \
             f"{strategy} needs {'one node for all' if strategy == 'STRICT_PACK' else 'a node each'}"
         raise PlacementFailed(
-            f"the Ray cluster cannot hold {n} bundles of {_fmt(self.bundle)} ({strategy}): "
-            f"{why}; its {len(nodes)} node(s) have {[_fmt(x['Resources']) for x in nodes]}. "
-            f"Add nodes, lower world_size or change ray_bundle / ray_strategy")
+            f"the Ray cluster cannot hold {self._bundles_named()} of {_fmt(self.bundle)} "
+            f"({strategy}): {why}; its {len(nodes)} node(s) have "
+            f"{[_fmt(x['Resources']) for x in nodes]}. Add nodes, lower world_size"
+            f"{' or spares' if self.bundles > self.world_size else ''} or change "
+            f"ray_bundle / ray_strategy")
+
+    def _bundles_named(self) -> str:
+        """"4 bundles", or "3 bundles (2 ranks, 1 spare)" where there are spares."""
+        spares = self.bundles - self.world_size
+        if not spares:
+            return f"{self.bundles} bundles"
+        return (f"{self.bundles} bundles ({self.world_size} rank{'s' * (self.world_size > 1)}"
+                f", {spares} spare{'s' * (spares > 1)})")
 
     def _try_group(self, pinned: bool, wait: float) -> bool:
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        bundles = [dict(self.bundle) for _ in range(self.world_size)]
-        selector = [{NODE_LABEL: self.node}] + [{}] * (self.world_size - 1) if pinned else None
+        bundles = [dict(self.bundle) for _ in range(self.bundles)]
+        selector = [{NODE_LABEL: self.node}] + [{}] * (self.bundles - 1) if pinned else None
         group = self.group = placement_group(  # held here at once: close() removes it
             bundles, strategy=self.spec.strategy, bundle_label_selector=selector)
         ready, _ = self.ray.wait([group.ready()], timeout=max(wait, 0.01))
@@ -326,19 +377,21 @@ class RayGroup(Placement):
         if "memory" in self.bundle:
             options["memory"] = self.bundle["memory"]
         hosts = [host_class.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            self.group, placement_group_bundle_index=rank)).remote(rank, self.world_size)
-                 for rank in range(self.world_size)]
+            self.group, placement_group_bundle_index=place)).remote(place, self.world_size)
+                 for place in range(self.bundles)]
         # Known before anything can fail, so that close() ends whatever started.
-        self.ranks = [HostedRank(r, h, table.get(r, "?"), "", 0, False)
-                      for r, h in enumerate(hosts)]
+        self.hosts = [HostedRank(p, h, table.get(p, "?"), "", 0, False)
+                      for p, h in enumerate(hosts)]
+        self.ranks = self.hosts[:self.world_size]
         wheres = self._get([h.where.remote() for h in hosts], timeout, "start the ranks' hosts")
-        self.ranks = [HostedRank(r, h, node, self.addresses[node], pid, node == self.node,
+        self.hosts = [HostedRank(p, h, node, self.addresses[node], pid, node == self.node,
                                  self.hostnames.get(node, ""))
-                      for r, (h, (node, pid, *_)) in enumerate(zip(hosts, wheres, strict=True))]
-        self.keys = {r: where[2] for r, where in enumerate(wheres)}
+                      for p, (h, (node, pid, *_)) in enumerate(zip(hosts, wheres, strict=True))]
+        self.ranks = self.hosts[:self.world_size]
+        self.keys = {p: where[2] for p, where in enumerate(wheres)}
         if self.own_gpus:  # cuda:0 must be each rank's own GPU
-            check_own_gpus([(r, node, gpus, visible)
-                            for r, (node, _, _, gpus, visible) in enumerate(wheres)])
+            check_own_gpus([(p, node, gpus, visible)
+                            for p, (node, _, _, gpus, visible) in enumerate(wheres)])
 
     @property
     def own_gpus(self) -> bool:
@@ -356,10 +409,11 @@ class RayGroup(Placement):
     # -- launch ---------------------------------------------------------------------
     @property
     def spans_nodes(self) -> bool:
-        return not all(r.local for r in self.ranks)
+        """A rank or a spare (which may become one) runs on another node."""
+        return not all(h.local for h in self.hosts)
 
     def remote_keys(self) -> set[bytes]:
-        return {self.keys[r.rank] for r in self.ranks if not r.local}
+        return {self.keys[place] for place, h in enumerate(self.hosts) if not h.local}
 
     def launch(self, boots: list[Bootstrap], env: dict[str, str], launch_prefix: list[str],
                timeout: float) -> None:
@@ -367,20 +421,70 @@ class RayGroup(Placement):
         master = self.ranks[0]
         # MASTER_PORT for models that form their own group (init_process_group=False).
         deadline = time.monotonic() + timeout
-        master_port = self._get(master.host.free_port.remote(master.address), timeout,
-                                "reach rank 0's host")
-        lifeline = self._open_lifeline()
-        calls = []
-        nodes = [r.node for r in self.ranks]
-        for hosted, boot in zip(self.ranks, boots, strict=True):
-            torch_env = torchrun_env(hosted.rank, self.world_size, master_port, master.address,
-                                     local_place(hosted.rank, nodes, self.own_gpus))
-            calls.append(hosted.host.launch.remote(  # {rank}: filled in by RankProcess.spawn
-                boot.to_bytes(), env, launch_prefix, torch_env, lifeline,
-                os.environ.get(THREADS_ENV)))
+        self.master_port = self._get(master.host.free_port.remote(master.address), timeout,
+                                     "reach rank 0's host")
+        self.lifeline_address = self._open_lifeline()
+        self.launch_env = (env, launch_prefix)
+        calls = [hosted.host.launch.remote(  # {rank}: filled in by RankProcess.spawn
+            boot.to_bytes(), env, launch_prefix, self._torch_env(hosted.rank),
+            self.lifeline_address, os.environ.get(THREADS_ENV))
+            for hosted, boot in zip(self.ranks, boots, strict=True)]
+        self.launched.update(range(self.world_size))
         pids = self._get(calls, deadline - time.monotonic(), "start the ranks")
         for hosted, pid in zip(self.ranks, pids, strict=True):
             hosted.pid = pid
+
+    def _torch_env(self, rank: int, place: int | None = None) -> dict[str, str]:
+        """The torchrun environment of rank ``rank``, or of a spare in bundle ``place``
+        (no RANK: its process sets it as it takes one)."""
+        if place is None:
+            local = local_place(rank, [r.node for r in self.ranks], self.own_gpus)
+        else:
+            local = local_place(place, [h.node for h in self.hosts], self.own_gpus)
+        env = torchrun_env(rank, self.world_size, self.master_port, self.ranks[0].address,
+                           local)
+        if place is not None:
+            env.pop("RANK")
+        return env
+
+    def start_spare(self, slot: int, place: int, bootstrap: Bootstrap, label: str) -> Rank:
+        """The host of bundle ``place`` starts a spare (its first process, or the next
+        after a rank that a spare replaced, or a spare that died); a thread watches it
+        while it is a spare."""
+        spare = self.hosts[place].in_same_bundle(slot)
+        boot, torch_env = bootstrap.to_bytes(), self._torch_env(slot, place)
+        if place in self.launched:
+            call = spare.host.relaunch.remote(boot, torch_env, label)
+        else:
+            env, launch_prefix = self.launch_env
+            call = spare.host.launch.remote(boot, env, launch_prefix, torch_env,
+                                            self.lifeline_address,
+                                            os.environ.get(THREADS_ENV), label)
+        self.launched.add(place)
+        spare.pid = self._get(call, timeouts.for_library(self.start_timeout),
+                              f"start {label}")
+        self._watch_spare(spare)
+        return spare
+
+    def _watch_spare(self, spare: HostedRank) -> None:
+        """Its death as a spare is known to its handle (spares.py looks); once it is a
+        rank, the ranks' watch reports it."""
+        ray, ref = self.ray, spare.exit_ref()
+
+        def run() -> None:
+            while not self._closing.is_set() and spare.rank >= self.world_size:
+                try:
+                    done, _ = ray.wait([ref], timeout=0.25)
+                except Exception:  # Ray itself is gone
+                    return
+                if done and spare.rank >= self.world_size:
+                    try:
+                        spare.died(ray.get(ref))
+                    except Exception as exc:
+                        spare.report = f"{spare_label(spare.rank)}: its host is gone ({exc})"
+                    return
+
+        self._start_thread(run, "reactor-dist-ray-spare")
 
     def _open_lifeline(self) -> tuple[str, int]:
         """A TCP listener every host holds a connection to: when this process dies the
@@ -404,11 +508,14 @@ class RayGroup(Placement):
 
     def restart(self, replaced: list[int], old: Ranks, ranks: Ranks,
                 bootstrap: Callable[[int], Bootstrap]) -> None:
-        """``replaced`` start again through their hosts, in their bundles; every rank
-        keeps its handle (the group's), and the watch reports to ``ranks`` from now on."""
+        """``replaced`` start again through their hosts, in their bundles; every other
+        rank keeps its handle from ``old`` (a spare's, where one took its place), and the
+        watch reports to ``ranks`` from now on."""
+        self.ranks = [cast(HostedRank, old.procs[r]) for r in range(self.world_size)]
         for hosted in self.ranks:
             ranks.add(hosted)
-        calls = [self.ranks[r].host.relaunch.remote(bootstrap(r).to_bytes()) for r in replaced]
+        calls = [self.ranks[r].host.relaunch.remote(bootstrap(r).to_bytes(), self._torch_env(r))
+                 for r in replaced]
         try:
             pids = self._get(calls, timeouts.for_library(self.start_timeout),
                              "start the replaced ranks again")
@@ -425,7 +532,7 @@ class RayGroup(Placement):
         watch of the ranks' generation, until it closes (a restart begins, or the ranks
         end): the handles it updates pass to the next generation."""
         ray = self.ray
-        waiting = {r.host.exited.remote(): r for r in self.ranks}
+        waiting = {r.exit_ref(): r for r in self.ranks}
 
         def run() -> None:
             while waiting and not self._closing.is_set() and not deaths.closed:
@@ -468,7 +575,7 @@ class RayGroup(Placement):
                 self._end_hosts(grace)
         except Exception as exc:  # never let cleanup stop the rest of the cleanup
             log.warning("ending the Ray-placed ranks: %s: %s", type(exc).__name__, exc)
-        self.ranks, self.group = [], None
+        self.ranks, self.hosts, self.group = [], [], None
         if self.lifeline is not None:
             with contextlib.suppress(OSError):  # wakes the accept() a close() would not
                 self.lifeline.shutdown(socket.SHUT_RDWR)
@@ -485,13 +592,13 @@ class RayGroup(Placement):
         """Each host stops (its rank ended already, or had not started: ``grace`` covers
         the second) and closes its lifeline; then the actors and the bundles go."""
         ray = self.ray
-        if self.ranks:
-            stops = [r.host.stop.remote(grace) for r in self.ranks]
+        if self.hosts:
+            stops = [h.host.stop.remote(grace) for h in self.hosts]
             with contextlib.suppress(Exception):
                 ray.wait(stops, num_returns=len(stops), timeout=grace + 10)
-            for r in self.ranks:
+            for h in self.hosts:
                 with contextlib.suppress(Exception):
-                    ray.kill(r.host, no_restart=True)
+                    ray.kill(h.host, no_restart=True)
         if self.group is not None:
             from ray.util.placement_group import remove_placement_group
 

@@ -508,10 +508,20 @@ class Placement(abc.ABC):
         in the same places; the others keep their handles from ``old``.  ``ranks`` takes
         every rank's handle, in rank order."""
 
-    def start_spare(self, slot: int, gpu: int, bootstrap: Bootstrap, label: str) -> Rank:
-        """Start a spare (reactor_dist.spares) on the ``gpu``-th GPU visible to the ranks,
+    def spare_fields(self, place: int) -> dict[str, Any]:
+        """The fields of the bootstrap of a spare in ``place`` (its GPU's index among
+        the visible ones; with Ray, its bundle's) that this placement decides."""
+        return {}
+
+    def store_address(self) -> str:
+        """Where the group's store is across nodes (rank 0's node, as it is now); ""
+        where it is a file in the private directory."""
+        return ""
+
+    @abc.abstractmethod
+    def start_spare(self, slot: int, place: int, bootstrap: Bootstrap, label: str) -> Rank:
+        """Start a spare (reactor_dist.spares) in ``place`` (see :meth:`spare_fields`),
         its output's lines prefixed with ``label``; its handle."""
-        raise ValueError("spares= works with placement='local' only: pass spares=0")
 
     def end_ranks(self, ranks: Ranks) -> None:
         """A restart failed: every rank ends now; what the placement holds stays until
@@ -553,12 +563,12 @@ class LocalPlacement(Placement):
         for rank in range(self.world_size):
             ranks.add(self._spawn(rank, bootstrap) if rank in replaced else old.procs[rank])
 
-    def start_spare(self, slot: int, gpu: int, bootstrap: Bootstrap, label: str) -> Rank:
+    def start_spare(self, slot: int, place: int, bootstrap: Bootstrap, label: str) -> Rank:
         # The torchrun environment of its GPU (LOCAL_RANK), with no RANK until it takes
         # one (the rank's process sets it then); ``{rank}`` of a launch_prefix: its GPU.
-        env = torchrun_env(gpu, self.world_size, self.master_port)
+        env = torchrun_env(place, self.world_size, self.master_port)
         env.pop("RANK")
-        return RankProcess.spawn(gpu, self.world_size, bootstrap.to_bytes(),
+        return RankProcess.spawn(place, self.world_size, bootstrap.to_bytes(),
                                  master_port=self.master_port, env=self.env, gpus=self.gpus,
                                  launch_prefix=self.launch_prefix, output=self.output,
                                  torch_env=env, label=label)

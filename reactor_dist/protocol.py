@@ -76,7 +76,9 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
     rejoin    ->   restart(), to the ranks    EPOCH (the new group's), PORT (its store's,
                    that keep their model:     0 on one machine), RANKS (who acts on it),
                    leave the old group, join  TAKERS ([slot, rank] pairs: that spare is
-                   the new one, rejoin()      that rank from now on); again at the ping
+                   the new one, rejoin()      that rank from now on), ADDRESS (across
+                                              nodes: rank 0's node, new when a spare took
+                                              its place); again at the ping
                                               pace until each acked (progress) or answered
     rejoined  <-   answer to rejoin           EPOCH, STATUS, ERROR, GROUP_SECONDS,
                                               LOAD_SECONDS (rejoin()'s duration)
@@ -164,6 +166,7 @@ class Field:
     BEHIND = "bh"
     RANKS = "rks"
     TAKERS = "tk"  # REJOIN: [[spare slot, rank], ...]: each spare takes that rank's place
+    ADDRESS = "ad"  # REJOIN across nodes: rank 0's node address (its store's), maybe new
     DIGEST = "dg"  # CALL: true, rank 0 digests its result; REPLY: rank 0's digest (bytes)
     STATES = "sts"  # CALL of restore: per rank [first body frame, frame count, descriptors]
 

@@ -113,17 +113,21 @@ class RankServer:
         self.sub.setsockopt(zmq.RCVHWM, 0)
         self.push = wire.bounded(self.ctx.socket(zmq.PUSH))
         self.push.setsockopt(zmq.LINGER, 2000)
-        if self.boot.curve is not None:  # over TCP from another node: CurveZMQ
-            server, public, secret = self.boot.curve
-            for sock in (self.sub, self.push):
-                sock.curve_serverkey, sock.curve_publickey = server, public
-                sock.curve_secretkey = secret
+        for sock in (self.sub, self.push):
+            self.secure(sock)
         self.sub.connect(self.boot.cmd_addr)
         self.push.connect(self.boot.reply_addr)
         self.push_send = wire.direct_send(self.push)
         if self.memory is not None:
             self.inbox = self.memory.inbox = Inbox(self.channel, self.sub,
                                                    self.memory.on_memory)
+
+    def secure(self, sock: zmq.Socket) -> None:
+        """Over TCP from another node: CurveZMQ, as this rank's host's key (host.py)."""
+        if self.boot.curve is not None:
+            server, public, secret = self.boot.curve
+            sock.curve_serverkey, sock.curve_publickey = server, public
+            sock.curve_secretkey = secret
 
     def new_memory(self) -> RankMemory:
         memory = RankMemory(self.boot, self.rank, self.send)
@@ -157,10 +161,13 @@ class RankServer:
         self.connect()
         self.rendezvous = Rendezvous(self.boot, self.private_dir())
         watch_abort(self.rendezvous)
-        if self.boot.spare and not self.wait_as_spare():
-            self.close()
-            return 0
-        port = self.open_rendezvous()
+        if self.boot.spare:
+            if not self.wait_as_spare():
+                self.close()
+                return 0
+            port = 0  # it took a place: its REJOIN opens rank 0's store, where it is rank 0
+        else:
+            port = self.open_rendezvous()
         while True:
             if self.held and self.inbox.over(self.raised_in):
                 self.start_call(*self.held.popleft())
@@ -204,6 +211,7 @@ class RankServer:
         slot = self.boot.rank
         tell = wire.bounded(self.ctx.socket(zmq.PUSH))
         tell.setsockopt(zmq.LINGER, 1000)
+        self.secure(tell)
         tell.connect(self.boot.spare_addr)
         loaded: dict[str, Any] = {Field.KIND: Kind.READY, Field.SEQ: 0, Field.RANK: slot,
                                   Field.STATUS: Status.OK, Field.PID: os.getpid()}
@@ -325,6 +333,10 @@ class RankServer:
             self.send({Field.KIND: Kind.PROGRESS, Field.SEQ: 0, Field.PHASE: FORMING,
                        Field.PORT: port})
 
+        address = header.get(Field.ADDRESS)
+        if address:  # across nodes: rank 0's store is there (a spare may have taken rank 0)
+            self.boot = self.rendezvous.boot = dataclasses.replace(self.boot,
+                                                                    master_addr=address)
         try:
             if self.boot.init_process_group and self.world_size > 1:
                 reply[Field.GROUP_SECONDS] = self.rendezvous.rejoin(

@@ -81,10 +81,15 @@ def restart(supervisor: Supervisor, *, rejoin: bool, grace: float, timeout: floa
     pongs = supervisor.ping(frozenset(replaced), deadline, timeout, "restart()", other)
     port = (pongs[0][0].get(Field.PORT) or 0) if 0 in pongs else 0
     joining = sorted(kept + list(takers))  # each keeps its model: REJOIN, rejoin()
+    address = supervisor.placement.store_address()  # rank 0's node now (a spare's?)
 
     def rejoin_command(ranks: list[int]) -> dict[str, Any]:
-        return {Field.KIND: Kind.REJOIN, Field.SEQ: 0, Field.EPOCH: epoch, Field.RANKS: ranks,
-                Field.TAKERS: [[takers[r].slot, r] for r in ranks if r in takers]}
+        command = {Field.KIND: Kind.REJOIN, Field.SEQ: 0, Field.EPOCH: epoch,
+                   Field.RANKS: ranks,
+                   Field.TAKERS: [[takers[r].slot, r] for r in ranks if r in takers]}
+        if address:
+            command[Field.ADDRESS] = address
+        return command
 
     progress = frozenset({Kind.PROGRESS})
     if 0 in joining:  # rank 0 opens the new group's store first (across nodes: a new port)

@@ -115,7 +115,8 @@ class DistributedRunner:
     :param restart_window: the seconds within which at most ``max_restarts`` restarts
         happen; past that the runner stays unusable.
     :param spares: processes loaded with no rank, each of which takes a dead rank's
-        place at a restart without a ``load()`` (needs ``rejoin()``; local only).
+        place at a restart without a ``load()`` (needs ``rejoin()``; with Ray, each in
+        a bundle of its own).
     :param snapshot_every: K: every rank's ``snapshot()`` after every K calls and every
         ``reset()``; each restart restores it and runs the calls since again (0: off).
     :param retry_failed: the calls a fault failed are sent again after the automatic
@@ -148,7 +149,7 @@ class DistributedRunner:
         if window is None:
             raise ValueError("restart_window must be a number of seconds, not None")
         gpus = check_devices(device, gpus, rank_output, world_size)
-        validation.check_spares(spares, worker_cls, placement, gpus, world_size)
+        validation.check_spares(spares, worker_cls, gpus, world_size)
         ray = check_ray_options(placement, ray_bundle, ray_strategy)
         validation.check_placed_options(ray is not None, gpus, rank_output)
         validation.warn_if_cores_short(world_size, device, placement)
@@ -163,7 +164,7 @@ class DistributedRunner:
         where_ranks_run = placement_for(
             ray, world_size=world_size, device=device, env=env,
             launch_prefix=[str(p) for p in launch_prefix], gpus=gpus, rank_output=rank_output,
-            start_timeout=self.start_timeout)
+            start_timeout=self.start_timeout, spares=spares)
         self._supervisor = Supervisor(
             worker=where, world_size=world_size, load_kwargs=kwargs,
             init_process_group=bool(init_process_group), device=device,

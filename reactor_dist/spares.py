@@ -5,8 +5,8 @@ with ``rank`` None and ``is_spare`` true, joins no group and gets no calls.  At 
 restart (reactor_dist.recovery) each rank that needs a new process takes a ready spare
 instead, while there is one: the spare becomes that rank, joins the new group with the
 survivors and runs ``rejoin()`` there, as they do, so the restart costs a group's
-forming and no ``load()``.  Then a new spare starts in the background, on the GPU the
-dead rank left, never on the path of a call::
+forming and no ``load()``.  Then a new spare starts in the background, in the place
+(GPU, or Ray bundle) the dead rank left, never on the path of a call::
 
     caller (this module's thread)                   spare (rank.RankServer.wait_as_spare)
     spawn, bootstrap (spare, slot, spare_addr)  ->  load(), rank None
@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -34,6 +35,9 @@ from . import wire
 from .errors import WorkerCrashed, WorkerTimeout, rebuild_exception
 from .processes import Rank, end_together
 from .protocol import ErrorRecord, Field, Kind, Status
+
+if TYPE_CHECKING:
+    from .bus import Bus
 
 log = logging.getLogger("reactor_dist")
 
@@ -49,10 +53,11 @@ def spare_label(slot: int) -> str:
 @dataclass
 class Spare:
     """One spare process: its slot (its name on the bus: world_size and up, never
-    reused), the GPU index it holds, and what its READY said."""
+    reused), its place (the GPU index it holds; with Ray, its bundle), and what its
+    READY said."""
 
     slot: int
-    gpu: int
+    place: int
     proc: Rank
     ready: bool = False
     device: str | None = None
@@ -65,7 +70,8 @@ class Spare:
 
 class Spares:
     """The spares of one runner: started with the ranks, taken by restarts, replaced in
-    the background.  ``start_spare(slot, gpu, label)`` starts one (its placement's)."""
+    the background.  ``start_spare(slot, place, label)`` starts one (its placement's): a place is
+    a GPU index among the visible ones, with Ray a bundle of the placement group."""
 
     def __init__(self, count: int, world_size: int, secret: bytes,
                  start_spare: Callable[[int, int, str], Rank]) -> None:
@@ -75,7 +81,7 @@ class Spares:
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.spares: list[Spare] = []
-        self.wanted: list[int] = []  # GPU indices to start a spare on, in the background
+        self.wanted: list[int] = []  # places to start a spare in, in the background
         self.next_slot = world_size
         self.takeovers = 0  # ranks whose place a spare took
         self.failed: BaseException | None = None  # a spare's load() raised: none is started
@@ -89,22 +95,25 @@ class Spares:
         with self.lock:
             return sum(s.ready and s.proc.alive() for s in self.spares)
 
-    def open(self, ctx: zmq.Context, addr: str) -> None:
-        """Bind the spares' socket at ``addr`` (their bootstraps name it) and start the
-        thread; no spare yet."""
+    def open(self, bus: Bus, addr: str) -> None:
+        """Bind the spares' socket at ``addr`` (their bootstraps name it); the bus binds
+        it over TCP too where ranks or spares run on other nodes (Bus.open_tcp)."""
         if not self.count:
             return
-        self.pull = wire.bounded(ctx.socket(zmq.PULL))
+        self.pull = bus.spare_pull = wire.bounded(bus.ctx.socket(zmq.PULL))
         self.pull.bind(addr)
+
+    def start(self, places: list[int]) -> None:
+        """start(): the thread, and one spare in each of ``places`` (side by side with
+        the ranks' loads)."""
+        if not self.count:
+            return
         self.thread = threading.Thread(target=self._run, name="reactor-dist-spares",
                                        daemon=True)
         self.thread.start()
-
-    def start(self, gpus: list[int]) -> None:
-        """start(): one spare on each of ``gpus`` (side by side with the ranks' loads)."""
         with self.lock:
-            for gpu in gpus:
-                self._start(gpu)
+            for place in places:
+                self._start(place)
 
     def wait_ready(self, deadline: float, timeout: float | None) -> None:
         """start(): until every spare has loaded; raises what a spare's load() raised,
@@ -131,10 +140,11 @@ class Spares:
             self.takeovers += len(taken)
             return taken
 
-    def start_later(self, gpus: list[int]) -> None:
-        """After a takeover: a new spare on each GPU a dead rank left, in the background."""
+    def start_later(self, places: list[int]) -> None:
+        """After a takeover: a new spare in each place a dead rank left, in the
+        background."""
         with self.lock:
-            self.wanted += gpus
+            self.wanted += places
 
     def stop(self) -> None:
         """Shutdown begins: no spare starts from now on, and none that exits (a SHUTDOWN
@@ -150,13 +160,16 @@ class Spares:
             spares, self.spares = self.spares, []
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout=5.0)
+        elif self.thread is None and self.pull is not None:  # start() never came
+            self.pull.close(linger=0)
+        self.pull = None
         end_together([s.proc for s in spares], 0.0, SPARE_TERM_GRACE)
 
     # -- the thread ---------------------------------------------------------------------
-    def _start(self, gpu: int) -> None:
-        """Under the lock: start a spare on ``gpu``."""
+    def _start(self, place: int) -> None:
+        """Under the lock: start a spare in ``place``."""
         slot, self.next_slot = self.next_slot, self.next_slot + 1
-        self.spares.append(Spare(slot, gpu, self.start_spare(slot, gpu, spare_label(slot))))
+        self.spares.append(Spare(slot, place, self.start_spare(slot, place, spare_label(slot))))
 
     def _run(self) -> None:
         pull = self.pull
@@ -222,8 +235,8 @@ class Spares:
                     log.error("%s during its load(); no spare is started again",
                               self.failed)
                     continue
-                log.warning("%s (pid %d) %s; a new spare starts on its GPU", spare.label,
+                log.warning("%s (pid %d) %s; a new spare starts in its place", spare.label,
                             spare.proc.pid, why)
-                self.wanted.append(spare.gpu)
+                self.wanted.append(spare.place)
             while self.wanted and self.failed is None:
                 self._start(self.wanted.pop(0))

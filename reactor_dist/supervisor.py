@@ -130,9 +130,10 @@ class Supervisor:
         self._start_timeout, self._keep_free = start_timeout, keep_free
         self._group_timeout = timeouts.for_group(call_timeout)
         self.pings_sent = self.inits_sent = 0  # start-up's commands published (stress.py)
-        # Each rank's GPU, as an index among the visible ones: its rank's, until a spare
-        # (which holds a GPU after the ranks') takes its place and keeps its own.
-        self.gpu_of = list(range(world_size))
+        # Each rank's place: its GPU, as an index among the visible ones (with Ray, its
+        # bundle); its rank's, until a spare (which holds one after the ranks') takes
+        # its place and keeps its own.
+        self.place_of = list(range(world_size))
         self.spares = Spares(spares, world_size, self.secret, self._start_spare)
 
     @property
@@ -155,7 +156,7 @@ class Supervisor:
         reclaim_dead_ipc_dirs()
         self.ipc_dir, self._dir_lock = private_dir()
         self.bus = Bus(self.secret, self.ipc_dir, self.world_size)
-        self.spares.open(self.bus.ctx, f"ipc://{self.ipc_dir}/{SPARES_SOCKET}")
+        self.spares.open(self.bus, f"ipc://{self.ipc_dir}/{SPARES_SOCKET}")
         self.ranks = self.new_ranks()
         self.display = Display(self.world_size)
         try:
@@ -307,7 +308,7 @@ class Supervisor:
 
     def replace(self, ranks: list[int], takers: dict[int, Spare]) -> None:
         """restart(), in a new ``epoch``: ``ranks`` end; each of them that a spare of
-        ``takers`` takes has that spare's process from now on (on the spare's GPU: the
+        ``takers`` takes has that spare's process from now on (in the spare's place: the
         rank's goes to a new spare, started in the background), every other one a new
         process (same rank, GPU, bundle); the others keep theirs, under a new death watch.
         What the ended ranks held is forgotten (rank 0's result segments too)."""
@@ -319,8 +320,8 @@ class Supervisor:
         for rank, spare in takers.items():
             spare.proc.become(rank)
             old.procs[rank] = spare.proc  # kept from here on, as a survivor is
-            freed.append(self.gpu_of[rank])
-            self.gpu_of[rank] = spare.gpu
+            freed.append(self.place_of[rank])
+            self.place_of[rank] = spare.place
             if spare.device is not None and rank < len(self.devices):
                 self.devices[rank] = spare.device
             if spare.load_seconds is not None:
@@ -364,8 +365,12 @@ class Supervisor:
 
     def _bootstrap(self, rank: int) -> Bootstrap:
         """Rank ``rank``'s bootstrap, with the fields its placement decides."""
+        return Bootstrap(**{**self._own_fields(rank), **self.placement.bootstrap_fields(rank)})
+
+    def _own_fields(self, rank: int) -> dict[str, Any]:
+        """The bootstrap's fields that the runner decides (a local rank's)."""
         assert self.bus is not None
-        fields: dict[str, Any] = dict(
+        return dict(
             rank=rank, world_size=self.world_size, secret=self.secret,
             cmd_addr=self.bus.cmd_addr, reply_addr=self.bus.reply_addr,
             runner_pid=os.getpid(), shm_dir=self.shm_dir, shm_prefix=self.shm_prefix,
@@ -373,17 +378,17 @@ class Supervisor:
             init_process_group=self._init_process_group, device=self._device,
             start_timeout=timeouts.for_library(self._start_timeout), keep_free=self._keep_free,
             group_timeout=self._group_timeout,
-            sys_path=list(sys.path), device_index=self.gpu_of[rank],
+            sys_path=list(sys.path), device_index=self.place_of[rank],
             log_levels=records.levels())
-        return Bootstrap(**{**fields, **self.placement.bootstrap_fields(rank)})
 
-    def _start_spare(self, slot: int, gpu: int, label: str) -> Rank:
-        """A spare in slot ``slot`` (its name on the bus) on the ``gpu``-th GPU."""
+    def _start_spare(self, slot: int, place: int, label: str) -> Rank:
+        """A spare in slot ``slot`` (its name on the bus) in ``place``: the ``place``-th
+        GPU, or with Ray the ``place``-th bundle."""
         assert self.ipc_dir is not None
-        boot = dataclasses.replace(self._bootstrap(0), rank=slot, device_index=gpu,
-                                   spare=True,
-                                   spare_addr=f"ipc://{self.ipc_dir}/{SPARES_SOCKET}")
-        return self.placement.start_spare(slot, gpu, boot, label)
+        fields = {**self._own_fields(0), "rank": slot, "device_index": place, "spare": True,
+                  "spare_addr": f"ipc://{self.ipc_dir}/{SPARES_SOCKET}",
+                  **self.placement.spare_fields(place)}
+        return self.placement.start_spare(slot, place, Bootstrap(**fields), label)
 
     def publish_start_command(self, header: dict[str, Any]) -> None:
         """One try at PING, INIT or REJOIN (PING and INIT counted when sent); a full pipe

@@ -38,11 +38,10 @@ def check_counts(**counts: Any) -> None:
             raise ValueError(f"{name} must be an int >= {least} ({what}), got {value!r}")
 
 
-def check_spares(spares: int, worker_cls: type, placement: str,
-                 gpus: list[int] | None, world_size: int) -> None:
-    """A spare takes a rank's place through the worker's ``rejoin()``, only where the
-    ranks run as local processes, and holds a GPU of its own (``gpus``' entries after
-    the ranks')."""
+def check_spares(spares: int, worker_cls: type, gpus: list[int] | None,
+                 world_size: int) -> None:
+    """A spare takes a rank's place through the worker's ``rejoin()``, and holds a GPU
+    of its own (``gpus``' entries after the ranks'; with Ray, a bundle of its own)."""
     if not spares:
         return
     if gpus is not None and len(gpus) < world_size + spares:
@@ -55,9 +54,6 @@ def check_spares(spares: int, worker_cls: type, placement: str,
             f"spare loads with rank None and takes a dead rank's place at a restart, where "
             f"rejoin() runs on it with its new self.rank (define rejoin(), even an empty "
             f"one when nothing in the model depends on the rank; or pass spares=0)")
-    if placement != "local":
-        raise ValueError(f"spares= works with placement='local' only, not {placement!r}: "
-                         f"pass spares=0")
 
 
 def check_session(snapshot_every: int, retry_failed: Any, max_restarts: int,

@@ -53,6 +53,15 @@ class Probe:
                     if s.ready and s.proc.alive()]
 
     @property
+    def placed_spares(self) -> list[dict]:
+        """placement="ray": each spare's slot, node id, whether it shares this node, its
+        pid and its host actor's pid, oldest first."""
+        with self._supervisor.spares.lock:
+            return [{"slot": s.slot, "node": s.proc.node, "local": s.proc.local,
+                     "pid": s.proc.pid, "host_pid": s.proc.host_pid, "ready": s.ready}
+                    for s in self._supervisor.spares.spares]
+
+    @property
     def launcher_pids(self) -> list[int]:
         """Where each rank's code runs (differs from rank_pids under a wrapping prefix)."""
         ranks = self._supervisor.ranks

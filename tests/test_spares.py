@@ -46,7 +46,7 @@ def wait_for(predicate, timeout: float = WAIT) -> bool:
     return predicate()
 
 
-def test_spares_need_rejoin_a_count_and_local_ranks():
+def test_spares_need_rejoin_a_count_and_a_gpu_each():
     with pytest.raises(ValueError, match=r"spares=1 needs a rejoin\(self\) method on "
                                          r"Reduces: a spare loads with rank None"):
         DistributedRunner(Reduces, world_size=2, spares=1)
@@ -56,9 +56,6 @@ def test_spares_need_rejoin_a_count_and_local_ranks():
         DistributedRunner(ReducesAndRejoins, world_size=2, spares=-1)
     with pytest.raises(ValueError, match="spares must be an int"):
         DistributedRunner(ReducesAndRejoins, world_size=2, spares=True)
-    with pytest.raises(ValueError, match="spares= works with placement='local' only, not "
-                                         "'ray': pass spares=0"):
-        DistributedRunner(ReducesAndRejoins, world_size=2, spares=1, placement="ray")
     with pytest.raises(ValueError, match=r"gpus=\[0, 1, 2\] names 3 GPUs for 2 ranks and 2 "
                                          r"spares; give one GPU per rank, then one per spare"):
         DistributedRunner(ReducesAndRejoins, world_size=2, spares=2, gpus=[0, 1, 2])
