@@ -82,12 +82,14 @@ class DieIn:
     """Rank ``victim`` is SIGKILLed ``when`` ("before": as the others enter the collective
     ``op``; "inside": 0.3 s after it entered ``op`` itself, while the rank after it is
     still a second from entering), ``op`` being all_reduce, all_gather or broadcast
-    (from the victim) of ``n`` elements."""
+    (from the victim) of ``n`` elements, on the CPU (gloo) or, ``on_device``, on the
+    rank's device (a GPU's: NCCL)."""
 
     victim: int
     when: str
     op: str
     n: int
+    on_device: bool = False
 
 
 @dataclasses.dataclass
@@ -157,7 +159,10 @@ class Reduces(DistributedWorker):
         import torch
         import torch.distributed as dist
 
-        t = torch.full((spec.n,), float(self.rank + 1))
+        t = torch.full((spec.n,), float(self.rank + 1),
+                       device=self.device if spec.on_device else "cpu")
+        if spec.on_device:
+            torch.cuda.synchronize()
         if self.rank == spec.victim:
             if spec.when == "before":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -170,6 +175,8 @@ class Reduces(DistributedWorker):
             dist.all_gather([torch.empty_like(t) for _ in range(self.world_size)], t)
         else:
             dist.broadcast(t, src=spec.victim)
+        if spec.on_device:  # NCCL returns at once: the wait is the stream's
+            torch.cuda.synchronize()
         if self.rank == spec.victim:
             time.sleep(3600)  # the op returned before the timer: it fires here
         return "returned"

@@ -185,3 +185,50 @@ def test_diffusers_context_parallel_wan_on_cuda_matches_the_cpu():
         got = run.generate(3)
         assert float(abs(got - expected).max()) <= GPU_TOLERANCE
         assert run.generate(-3) == [128 // world_size] * world_size
+
+
+def three_gpus() -> None:
+    if gpu_world_size() < 3:
+        pytest.skip(f"needs 3 GPUs (two survivors and a victim), {gpu_world_size()} visible")
+
+
+@pytest.mark.parametrize("when", ["before", "inside"])
+def test_survivors_waiting_in_an_nccl_all_reduce_keep_their_process(tmp_path, when):
+    """Rank 2 SIGKILLed before or inside an all_reduce of CUDA tensors: at the restart
+    each survivor's NCCL communicator is aborted (group.Rendezvous.abort), the survivor
+    leaves the collective and keeps its process and its one load()."""
+    from restart_workers import DieIn, Pid, ReducesAndRejoins
+
+    from reactor_dist import WorkerCrashed
+
+    three_gpus()
+    with DistributedRunner(ReducesAndRejoins, world_size=3, device="cuda", call_timeout=120.0,
+                           start_timeout=300.0, shutdown_grace=5.0,
+                           load_kwargs={"state_dir": str(tmp_path)}) as r:
+        pids = [pid for pid, _, _ in r.generate(Pid())]
+        with pytest.raises(WorkerCrashed, match="rank 2 died"):
+            r.generate(DieIn(2, when, "all_reduce", 4096, on_device=True))
+        r.restart()
+        after = r.generate(Pid())
+        assert after[:2] == [(pids[0], 1, 1), (pids[1], 1, 1)]
+        assert after[2][0] != pids[2] and after[2][1:] == (1, 0)
+        assert r.generate(DieIn(-1, "before", "all_reduce", 4, on_device=True)) == "returned"
+
+
+def test_a_spare_on_the_third_gpu_takes_rank_1s_place_over_nccl(tmp_path):
+    """world_size 2 and one spare (GPU 2): rank 1 SIGKILLed; the spare becomes rank 1 on
+    its own GPU, joins the NCCL group and runs rejoin(); no load() again."""
+    from restart_workers import Pid, SpareAware
+
+    three_gpus()
+    with DistributedRunner(SpareAware, world_size=2, spares=1, device="cuda",
+                           call_timeout=120.0, start_timeout=300.0, shutdown_grace=5.0,
+                           load_kwargs={"state_dir": str(tmp_path)}) as r:
+        pids = [pid for pid, _, _ in r.generate(Pid())]
+        assert r.spares_ready == 1
+        os.kill(pids[1], 9)
+        r.restart()
+        after = r.generate(Pid())
+        assert after[0] == (pids[0], 1, 1) and after[1][1:] == (1, 1)
+        assert after[1][0] not in pids
+        assert r.devices == ("cuda:0", "cuda:2") and r.spare_takeovers == 1
