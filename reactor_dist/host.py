@@ -13,6 +13,7 @@ bootstrap on stdin, output pump, pidfd death watch) and answers the runner::
                                           and the last lines when it dies
     stacks()       -------------------->  SIGUSR1 -> faulthandler dump lines
     signal(sig)    -------------------->  sig to the rank's process group
+    stopped()      -------------------->  whether the rank is stopped (state T or t)
     relaunch(boot) -------------------->  what is left ends; the rank (or a spare)
                                           starts again
     become(rank)   -------------------->  the spare here is that rank from now on
@@ -159,6 +160,11 @@ class RankHost:
         alone (processes.RankProcess.signal)."""
         for proc in self.ranks.procs:
             proc.signal(sig, group)
+
+    def stopped(self) -> bool:
+        """The rank (or spare) here is stopped (state T or t): it cannot read its
+        commands, and its full pipe would hold up every rank's (processes.Rank.stopped)."""
+        return any(proc.stopped() for proc in self.ranks.procs)
 
     def stacks(self) -> str:
         """Every thread's stack of the rank (faulthandler), as Ranks.stacks shows them."""

@@ -54,6 +54,7 @@ STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 RAY_EXTRA = "pip install 'reactor-dist[ray]'"
 NODE_LABEL = "ray.io/node-id"
 PIN_WAIT = 2.0  # seconds a group with rank 0 pinned to the caller's node may take
+STOPPED_EVERY = 0.5  # seconds between two questions to a host whether its rank is stopped
 log = logging.getLogger("reactor_dist")
 
 
@@ -116,6 +117,7 @@ class HostedRank(Rank):
         self.returncode: int | None = None  # once dead, as its host saw it (None: unknown)
         self.lines: list[str] = []  # its last lines, once dead (its host keeps them)
         self._exit: tuple[int, Any] | None = None  # (pid, its host's exited() on its way)
+        self._stopped, self._stopped_ref, self._stopped_asked = False, None, 0.0
 
     def in_same_bundle(self, rank: int) -> HostedRank:
         """A new handle on what its host runs next (a spare, slot ``rank``)."""
@@ -143,6 +145,7 @@ class HostedRank(Rank):
     def launched(self, pid: int) -> None:
         """Its host started it (again): a new process, not dead."""
         self.pid, self.report, self.returncode, self.lines = pid, None, None, []
+        self._stopped, self._stopped_ref = False, None
 
     def died(self, exited: Any) -> None:
         """Its host's ``exited()``: the crash report, exit status and last lines."""
@@ -157,8 +160,24 @@ class HostedRank(Rank):
         return self.returncode
 
     def stopped(self) -> bool:
-        """Not known here (its host could look): counted as running."""
-        return False
+        """What its host said the last time it was asked (at most STOPPED_EVERY seconds
+        ago; never waited for: the spares' thread asks under its lock), False until it
+        has answered once."""
+        import ray
+
+        now = time.monotonic()
+        if self._stopped_ref is not None:
+            with contextlib.suppress(Exception):  # its host gone: its death tells
+                done, _ = ray.wait([self._stopped_ref], timeout=0)
+                if not done:
+                    return self._stopped
+                self._stopped = bool(ray.get(self._stopped_ref))
+            self._stopped_ref = None
+        if now - self._stopped_asked >= STOPPED_EVERY and self.alive():
+            self._stopped_asked = now
+            with contextlib.suppress(Exception):
+                self._stopped_ref = self.host.stopped.remote()
+        return self._stopped and self.alive()
 
     def signal(self, sig: int, group: bool = True) -> None:
         """Through its host, which signals the rank (its process group, or with ``group``

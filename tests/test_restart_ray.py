@@ -116,3 +116,32 @@ def test_a_spare_in_a_bundle_of_its_own_takes_rank_1s_then_rank_0s_place(cluster
     assert wait_gone(every, timeout=10) == []
     assert nothing_reserved() and wait_full().get("CPU") == 4.0
     assert set(live_hosts()) <= hosts_before
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_spare_on_ray_is_ended_and_replaced_in_its_bundle(cluster, tmp_path, caplog):  # noqa: F811
+    """A SIGSTOPped spare cannot read its commands (its full pipe would hold up every
+    rank's): its host says so, it is ended, and its successor loads in the same bundle."""
+    import logging
+
+    runner = placed_runner(worker=SpareAware, spares=1, ray_strategy="PACK",
+                           init_process_group=True, call_timeout=60, start_timeout=120,
+                           shutdown_grace=1.0, load_kwargs={"state_dir": str(tmp_path)})
+    with caplog.at_level(logging.WARNING, logger="reactor_dist"):
+        try:
+            runner.start()
+            probe = Probe(runner)
+            [spare] = probe.placed_spares
+            os.kill(spare["pid"], signal.SIGSTOP)
+            assert wait_for(lambda: [s["pid"] for s in probe.placed_spares if s["ready"]]
+                            not in ([], [spare["pid"]]), timeout=120)
+            [successor] = probe.placed_spares
+            assert successor["host_pid"] == spare["host_pid"]  # the same bundle
+            assert wait_gone([spare["pid"]], timeout=10) == []
+            assert spare_pids(tmp_path) == [spare["pid"], successor["pid"]]
+            assert tuple(runner.generate(5)) == fresh(2, 5)
+        finally:
+            runner.shutdown()
+    assert f"spare 2 (pid {spare['pid']}) is stopped: it is ended" in caplog.text
+    assert wait_gone([successor["pid"]], timeout=10) == []
+    assert nothing_reserved() and wait_full().get("CPU") == 4.0
