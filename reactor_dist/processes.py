@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import psutil
 
-from . import stacks
+from . import stacks, template
 from .errors import RankFailure, RankInfo
 from .output import RankOutput
 from .protocol import GROUP_ABORT_SIGNAL, MARK_ENV, Bootstrap, torchrun_env
@@ -64,11 +64,21 @@ RANK_MAIN = (f"import signal; signal.pthread_sigmask(signal.SIG_BLOCK, "
              f"runpy.run_module('reactor_dist.rank', run_name='__main__', alter_sys=True)")
 SAFE_PATH: list[str] = (["-P", "-c", RANK_MAIN] if sys.version_info >= (3, 11) else
                         ["-c", "import sys; del sys.path[0]; " + RANK_MAIN])
+RANK_START_ENV = "REACTOR_DIST_RANK_START"  # "fork" (the default) or "spawn"
 POLL_MS = 20  # how often the watch checks ranks it has no pidfd for
 HOSTNAME = socket.gethostname()  # where the local ranks run
 TERM_GRACE = 2.0  # seconds from SIGTERM to SIGKILL when the ranks end
 REPLACED_TERM_GRACE = 0.2  # the same for the ranks that a restart replaces
 log = logging.getLogger("reactor_dist")
+
+
+def forking_chosen() -> bool:
+    """Not turned off: ``REACTOR_DIST_RANK_START=spawn`` spawns every rank (``fork``, the
+    default, forks those that form a torch group from a template)."""
+    choice = os.environ.get(RANK_START_ENV, "fork")
+    if choice not in ("fork", "spawn"):
+        raise ValueError(f"{RANK_START_ENV} must be 'fork' or 'spawn', got {choice!r}")
+    return choice == "fork"
 
 
 def free_port() -> int:
@@ -179,11 +189,11 @@ class RankProcess(Rank):
     def spawn(cls, rank: int, world_size: int, bootstrap: bytes, *, master_port: int,
               env: dict[str, str], gpus: list[int] | None, launch_prefix: list[str],
               output: str = "stderr", torch_env: dict[str, str] | None = None,
-              label: str = "") -> RankProcess:
-        """Start rank ``rank``: ``python -P -m reactor_dist.rank`` (behind ``launch_prefix``)
-        with the torchrun environment (``torch_env``, else this machine's) and ``env``;
-        the bootstrap goes to its stdin, its lines where ``output`` says
-        (output.OUTPUT_MODES)."""
+              label: str = "", fork: bool = False) -> RankProcess:
+        """Start rank ``rank``: ``python -P -m reactor_dist.rank`` (behind ``launch_prefix``),
+        or forked from a template where ``fork`` (reactor_dist.template), with the torchrun
+        environment (``torch_env``, else this machine's) and ``env``; the bootstrap goes to
+        its stdin, its lines where ``output`` says (output.OUTPUT_MODES)."""
         full_env = dict(os.environ)
         full_env.update(env)
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -195,17 +205,15 @@ class RankProcess(Rank):
             full_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         prefix = [part.replace("{rank}", str(rank)) for part in launch_prefix]
         cmd = prefix + [sys.executable, *SAFE_PATH]
-        return cls(rank, cmd, full_env, os.getcwd(), bootstrap, output, label)
+        return cls(rank, cmd, full_env, os.getcwd(), bootstrap, output, label, fork)
 
     def __init__(self, rank: int, cmd: list[str], env: dict[str, str], cwd: str,
-                 bootstrap: bytes, output: str = "stderr", label: str = "") -> None:
+                 bootstrap: bytes, output: str = "stderr", label: str = "",
+                 fork: bool = False) -> None:
         self.rank = rank
         self.mark = f"{os.getpid()}-{id(self):x}-{os.urandom(4).hex()}"
-        self.popen = subprocess.Popen(
-            cmd, env={**env, MARK_ENV: self.mark}, cwd=cwd, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, close_fds=True,
-            **OWN_PROCESS_GROUP,
-        )
+        self.popen: subprocess.Popen[bytes] | template.Forked = self._start(
+            cmd, {**env, MARK_ENV: self.mark}, cwd, fork)
         self.pid = self.pgid = self.popen.pid
         # Ours until the final kill: a dead rank is only looked at (waitid WNOWAIT through
         # its pidfd), never reaped before end_ranks signalled its group, so that its pid,
@@ -221,6 +229,19 @@ class RankProcess(Rank):
             self.popen.stdin.close()
         except BrokenPipeError:
             pass  # died at once; the death notice tells the story
+
+    @staticmethod
+    def _start(cmd: list[str], env: dict[str, str], cwd: str,
+               fork: bool) -> subprocess.Popen[bytes] | template.Forked:
+        if fork:
+            try:
+                return template.Forked(env, cwd)
+            except template.TemplateFailed as e:
+                log.warning("the rank template did not fork a rank (%s): spawning it "
+                            "instead", e)
+        return subprocess.Popen(
+            cmd, env=env, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, close_fds=True, **OWN_PROCESS_GROUP)
 
     def poll(self) -> int | None:
         """The exit code (negative: the signal) once the rank died, without reaping it."""
@@ -538,9 +559,12 @@ class LocalPlacement(Placement):
     """placement="local": each rank a child process of this one (RankProcess)."""
 
     def __init__(self, world_size: int, *, env: dict[str, str], gpus: list[int] | None,
-                 launch_prefix: list[str], output: str = "stderr") -> None:
+                 launch_prefix: list[str], output: str = "stderr", fork: bool = False) -> None:
         self.world_size, self.env, self.gpus = world_size, env, gpus
         self.launch_prefix, self.output = launch_prefix, output
+        # Ranks that import torch anyway are forked from a template (reactor_dist.template)
+        # unless a launch_prefix runs them or REACTOR_DIST_RANK_START=spawn says otherwise.
+        self.fork = fork and not launch_prefix and forking_chosen()
         self.master_port = 0  # MASTER_PORT of the ranks (models that form their own group)
 
     @property
@@ -571,12 +595,13 @@ class LocalPlacement(Placement):
         return RankProcess.spawn(place, self.world_size, bootstrap.to_bytes(),
                                  master_port=self.master_port, env=self.env, gpus=self.gpus,
                                  launch_prefix=self.launch_prefix, output=self.output,
-                                 torch_env=env, label=label)
+                                 torch_env=env, label=label, fork=self.fork)
 
     def _spawn(self, rank: int, bootstrap: Callable[[int], Bootstrap]) -> RankProcess:
         return RankProcess.spawn(rank, self.world_size, bootstrap(rank).to_bytes(),
                                  master_port=self.master_port, env=self.env, gpus=self.gpus,
-                                 launch_prefix=self.launch_prefix, output=self.output)
+                                 launch_prefix=self.launch_prefix, output=self.output,
+                                 fork=self.fork)
 
     def close(self, ranks: Ranks, grace: float) -> None:
         ranks.end(grace)

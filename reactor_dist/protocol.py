@@ -106,6 +106,7 @@ from __future__ import annotations
 
 import enum
 import io
+import json
 import pickle
 import signal
 from dataclasses import dataclass, field
@@ -365,6 +366,45 @@ def torchrun_env(rank: int, world_size: int, master_port: int,
     return {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(local_size), "MASTER_ADDR": master_addr,
             "MASTER_PORT": str(master_port)}
+
+
+# -- the rank template (reactor_dist.template): one datagram each way on a socket pair ------
+# Its socket's fd, in the environment the runner starts the template with.
+TEMPLATE_FD_ENV = "REACTOR_DIST_TEMPLATE_FD"
+# The template's process name (/proc/<pid>/comm): what tells it from the ranks it forks,
+# which carry its command line and its environment as /proc shows them.
+TEMPLATE_NAME = "rank-template"
+
+
+class ForkRequest(NamedTuple):
+    """Runner -> template: fork a rank with this environment and working directory; its
+    stdin (read end) and its output (write end) travel as SCM_RIGHTS fds beside it."""
+
+    env: dict[str, str]
+    cwd: str
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"env": self.env, "cwd": self.cwd}).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ForkRequest:
+        fields = json.loads(data)
+        return cls(fields["env"], fields["cwd"])
+
+
+class ForkReply(NamedTuple):
+    """Template -> runner: the pid of the rank it forked, or 0 and why it could not."""
+
+    pid: int
+    error: str = ""
+
+    def to_bytes(self) -> bytes:
+        return json.dumps([self.pid, self.error]).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ForkReply:
+        pid, error = json.loads(data)
+        return cls(int(pid), str(error))
 
 
 # -- names other processes parse ----------------------------------------------------------

@@ -164,7 +164,8 @@ class DistributedRunner:
         where_ranks_run = placement_for(
             ray, world_size=world_size, device=device, env=env,
             launch_prefix=[str(p) for p in launch_prefix], gpus=gpus, rank_output=rank_output,
-            start_timeout=self.start_timeout, spares=spares)
+            start_timeout=self.start_timeout, spares=spares,
+            imports_torch=bool(init_process_group) and world_size > 1)
         self._supervisor = Supervisor(
             worker=where, world_size=world_size, load_kwargs=kwargs,
             init_process_group=bool(init_process_group), device=device,

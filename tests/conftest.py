@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from reactor_dist import DistributedRunner, shm
+from reactor_dist.template import Template
 
 # Every process the tests start inherits this (ranks, their children, apps in subprocesses):
 # it finds the ones that left the process tree (setsid, reparented to init).
@@ -56,7 +57,13 @@ def session_processes() -> set[int]:
                     found.add(int(name))
         except OSError:
             pass
-    return set(wait_gone(found, timeout=0))
+    return set(wait_gone(found, timeout=0)) - templates()
+
+
+def templates() -> set[int]:
+    """The rank templates of this process (reactor_dist.template): they serve every runner
+    of the process and live as long as it does, so no test leaves them behind."""
+    return Template.pids()
 
 
 def our_shm_entries() -> set[str]:
@@ -73,7 +80,10 @@ def ipc_dirs() -> set[str]:
 
 def live_descendants() -> list[psutil.Process]:
     procs = []
+    own = templates()
     for p in psutil.Process().children(recursive=True):
+        if p.pid in own:
+            continue
         try:
             if p.status() != psutil.STATUS_ZOMBIE:
                 procs.append(p)

@@ -12,17 +12,21 @@ import zmq
 
 from reactor_dist import DistributedRunner
 from reactor_dist.bus import Bus
-from reactor_dist.protocol import MARK_ENV
+from reactor_dist.protocol import MARK_ENV, TEMPLATE_NAME
 
 
 def marked_by(runner_pid: int) -> list[psutil.Process]:
     """Every live process started by the ranks of the runners in process ``runner_pid``
     (the ranks too): they carry its mark (processes.RankProcess.mark) in their
-    environment, also after they left the rank's session or were reparented."""
+    environment, also after they left the rank's session or were reparented.  A rank
+    forked from a template (reactor_dist.template) shows the template's environment,
+    which carries the runner's pid; the template itself, which serves every runner of
+    the process for as long as the process lives, is not counted."""
     found = []
     for p in psutil.process_iter():
         try:
-            if p.environ().get(MARK_ENV, "").startswith(f"{runner_pid}-"):
+            if (p.environ().get(MARK_ENV, "").startswith(f"{runner_pid}-")
+                    and p.name() != TEMPLATE_NAME):
                 found.append(p)
         except psutil.Error:
             pass

@@ -1,0 +1,317 @@
+"""Ranks forked from a template process that has imported torch already.
+
+A rank that forms a torch group imports ``torch.distributed`` first: 2-3 s of CPU, paid
+again by every rank at every start, restart and spare.  A template is a process that
+imports it once and then forks each such rank on request (a *zygote*, as Android and
+Chromium call it; multiprocessing's forkserver is the same idea): the rank starts with
+torch in memory, in milliseconds.  Nothing else is imported before the fork: a forked
+rank imports reactor_dist and its worker itself, under its own environment, as a
+spawned one does.
+
+The template never touches CUDA (``import torch`` does not), is single-threaded when it
+forks, and is started with the environment its ranks would have but for the variables
+that differ per rank and that torch reads only later (:data:`PER_RANK`), so that what
+torch reads as it is imported (``OMP_NUM_THREADS``, ``TORCH_*``) is what a spawned rank
+reads; another environment gets another template.  Each rank gets its own environment,
+working directory, process group, stdin and output, and reseeded random generators.
+
+A forked rank is a child of the runner, as a spawned one is: the template forks an
+intermediate process, which forks the rank and exits, and the runner, a child
+subreaper (``PR_SET_CHILD_SUBREAPER``) only while it waits for that reply, adopts the
+orphan.  The runner waits for it, signals it and reads its exit status like any child.
+
+One template serves every runner of a process and lives as long as the process (it
+exits when the process's end of its socket closes, or the process dies); ``/proc``
+names it :data:`~reactor_dist.protocol.TEMPLATE_NAME`.  Where a template cannot be had,
+ranks are spawned (``processes.RankProcess``), with a warning that says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import select
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, cast
+
+from .protocol import (
+    GROUP_ABORT_SIGNAL,
+    MARK_ENV,
+    TEMPLATE_FD_ENV,
+    TEMPLATE_NAME,
+    ForkReply,
+    ForkRequest,
+)
+
+log = logging.getLogger("reactor_dist")
+
+# What the template process runs: the rank's own program (processes.RANK_MAIN) with
+# serve() before it, which returns only in a forked rank.
+TEMPLATE_MAIN = (f"import signal; signal.pthread_sigmask(signal.SIG_BLOCK, "
+                 f"{{{int(GROUP_ABORT_SIGNAL)}}}); from reactor_dist.template import serve; "
+                 f"serve(); import runpy; "
+                 f"runpy.run_module('reactor_dist.rank', run_name='__main__', alter_sys=True)")
+# Set per rank, and read by torch only once the rank forms its group or picks its GPU.
+PER_RANK = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                      "MASTER_PORT", "CUDA_VISIBLE_DEVICES", MARK_ENV})
+KEPT = 2  # templates a process keeps (one per environment), the least recently used ended
+READY_TIMEOUT = 60.0  # seconds for a template to import torch (a loaded machine: ~10)
+FORK_TIMEOUT = 10.0  # seconds for a fork's reply
+PR_SET_NAME, PR_SET_CHILD_SUBREAPER = 15, 36
+# Python 3.10 has no process_group=: a new session also makes a new process group.
+OWN_PROCESS_GROUP: dict[str, Any] = (
+    {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True})
+MESSAGE_MAX = 1 << 20
+
+
+class TemplateFailed(RuntimeError):
+    """No rank could be forked: the caller spawns it instead."""
+
+
+def _prctl(option: int, value: int | bytes) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+
+
+class Template:
+    """The runner's end of one template process (:meth:`fork` picks or starts one)."""
+
+    _lock = threading.Lock()  # one fork at a time in a process: the subreaper flag is shared
+    _kept: OrderedDict[tuple[str, ...], Template] = OrderedDict()
+    _owner = os.getpid()
+
+    @classmethod
+    def fork(cls, env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int) -> int:
+        """Fork a rank with ``env`` (its whole environment) in ``cwd``, ``stdin_fd`` and
+        ``output_fd`` as its stdin and its stdout/stderr; its pid, a child of this process."""
+        key = tuple(sorted(f"{k}={v}" for k, v in env.items() if k not in PER_RANK))
+        with cls._lock:
+            if cls._owner != os.getpid():  # a fork of the process: its templates are not ours
+                cls._kept.clear()
+                cls._owner = os.getpid()
+            template = cls._kept.pop(key, None)
+            if template is not None and not template.running():
+                template.close()
+                template = None
+            if template is None:
+                own = {k: v for k, v in env.items() if k not in PER_RANK}
+                # What the ranks it forks show in /proc/<pid>/environ: their runner's pid.
+                template = cls({**own, MARK_ENV: f"{os.getpid()}-template"})
+                while len(cls._kept) >= KEPT:
+                    cls._kept.popitem(last=False)[1].close()
+            cls._kept[key] = template
+            try:
+                return template._fork(env, cwd, stdin_fd, output_fd)
+            except TemplateFailed:
+                cls._kept.pop(key, None)
+                template.close()
+                raise
+
+    @classmethod
+    def pids(cls) -> set[int]:
+        """The template processes of this process that are running."""
+        with cls._lock:
+            return {t.process.pid for t in cls._kept.values() if t.running()}
+
+    def __init__(self, env: dict[str, str]) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock = ours
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-P", "-c", TEMPLATE_MAIN],
+                env={**env, TEMPLATE_FD_ENV: str(theirs.fileno())},
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, pass_fds=[theirs.fileno()],
+                close_fds=True, **OWN_PROCESS_GROUP)
+        except OSError as e:
+            ours.close()
+            raise TemplateFailed(f"it could not be started: {e}") from None
+        finally:
+            theirs.close()
+        self.ready = False
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def _receive(self, timeout: float) -> ForkReply:
+        ready, _, _ = select.select([self.sock], [], [], timeout)
+        if not ready:
+            raise TemplateFailed(f"it did not answer within {timeout:.0f} s")
+        data = self.sock.recv(MESSAGE_MAX)
+        if not data:
+            raise TemplateFailed(f"it exited ({self.process.poll()})")
+        return ForkReply.from_bytes(data)
+
+    def _fork(self, env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int) -> int:
+        if not self.ready:  # its first reply, once it imported torch: pid 0
+            self._receive(READY_TIMEOUT)
+            self.ready = True
+        try:
+            _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        except OSError as e:
+            raise TemplateFailed(f"this process cannot adopt the rank ({e})") from None
+        try:
+            try:
+                socket.send_fds(self.sock, [ForkRequest(env, cwd).to_bytes()],
+                                [stdin_fd, output_fd])
+            except OSError as e:
+                raise TemplateFailed(f"it could not be asked ({e})") from None
+            reply = self._receive(FORK_TIMEOUT)
+        finally:
+            _prctl(PR_SET_CHILD_SUBREAPER, 0)
+        if not reply.pid:
+            raise TemplateFailed(reply.error)
+        if not _is_child(reply.pid):
+            raise TemplateFailed(f"its rank (pid {reply.pid}) was not adopted")
+        return reply.pid
+
+    def close(self) -> None:
+        """Its socket closed: it exits (and is reaped here, within a second)."""
+        self.sock.close()
+        try:
+            self.process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _is_child(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[1]) == os.getpid()
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+class Forked:
+    """A forked rank, answering what processes.RankProcess asks of a subprocess.Popen:
+    its pid, its stdin and output pipes, its exit status once reaped."""
+
+    def __init__(self, env: dict[str, str], cwd: str) -> None:
+        stdin_r, stdin_w = os.pipe()
+        output_r, output_w = os.pipe()
+        try:
+            self.pid = Template.fork(env, cwd, stdin_r, output_w)
+        except BaseException:
+            os.close(stdin_w)
+            os.close(output_r)
+            raise
+        finally:
+            os.close(stdin_r)
+            os.close(output_w)
+        self.args = ["reactor_dist.rank", f"forked from a template (pid {self.pid})"]
+        self.stdin = os.fdopen(stdin_w, "wb")
+        self.stdout = os.fdopen(output_r, "rb")
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """Its exit code (negative: the signal), reaping it; None while it runs."""
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                return None
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(0.005)
+        return cast(int, self.returncode)
+
+
+# -- the template process -------------------------------------------------------------------
+
+def serve() -> None:
+    """The template's loop: import torch, then fork a rank per request until the runner's
+    end closes.  Returns only in a forked rank, set up as a spawned one would be."""
+    sock = socket.socket(fileno=int(os.environ.pop(TEMPLATE_FD_ENV)))
+    parent = os.pidfd_open(os.getppid())
+    own_name = _name()
+    _prctl(PR_SET_NAME, TEMPLATE_NAME.encode())
+    import torch.distributed  # noqa: F401  (the point of it)
+    sock.send(ForkReply(0).to_bytes())
+    while True:
+        ready, _, _ = select.select([sock, parent], [], [])
+        if parent in ready:
+            os._exit(0)
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, MESSAGE_MAX, 2)
+        except OSError:
+            os._exit(0)
+        if not data:
+            os._exit(0)  # the runner's end closed
+        request = ForkRequest.from_bytes(data)
+        pid = _fork_rank(sock, parent, fds, own_name)
+        if pid == 0:
+            _become_rank(request, fds, own_name)
+            return
+        for fd in fds:
+            os.close(fd)
+        sock.send(ForkReply(max(pid, 0), "" if pid > 0 else "fork failed").to_bytes())
+
+
+def _fork_rank(sock: socket.socket, parent: int, fds: list[int], own_name: str) -> int:
+    """Fork twice; the rank's pid here (-1: a fork failed), 0 in the rank.  The
+    intermediate exits at once, which hands the rank to the runner (a subreaper now)."""
+    report_r, report_w = os.pipe()
+    try:
+        intermediate = os.fork()
+    except OSError:
+        os.close(report_r)
+        os.close(report_w)
+        return -1
+    if intermediate == 0:
+        os.close(report_r)
+        try:
+            pid = os.fork()
+        except OSError:
+            os._exit(1)
+        if pid == 0:
+            os.close(report_w)
+            sock.close()
+            os.close(parent)
+            return 0
+        os.write(report_w, struct.pack("i", pid))
+        os._exit(0)
+    os.close(report_w)
+    with os.fdopen(report_r, "rb") as report:
+        data = report.read(4)
+    os.waitpid(intermediate, 0)
+    return struct.unpack("i", data)[0] if len(data) == 4 else -1
+
+
+def _become_rank(request: ForkRequest, fds: list[int], own_name: str) -> None:
+    stdin_fd, output_fd = fds
+    os.setpgid(0, 0)
+    os.dup2(stdin_fd, 0)
+    os.dup2(output_fd, 1)
+    os.dup2(output_fd, 2)
+    os.close(stdin_fd)
+    os.close(output_fd)
+    _prctl(PR_SET_NAME, own_name.encode())
+    os.environ.clear()
+    os.environ.update(request.env)
+    os.chdir(request.cwd)
+    import torch
+    torch.seed()  # else every rank would draw what the template would have drawn
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    for name in [n for n in sys.modules if n == "reactor_dist" or n.startswith("reactor_dist.")]:
+        del sys.modules[name]  # imported anew, under the rank's environment
+
+
+def _name() -> str:
+    with open("/proc/self/comm") as f:
+        return f.read().strip()
