@@ -98,10 +98,10 @@ def placement_for(spec: RaySpec | None, *, world_size: int, device: str,
                   rank_output: str, start_timeout: float | None, spares: int = 0,
                   imports_torch: bool = False) -> Placement:
     """The runner's placement: ``spec`` (check_ray_options) None is placement="local";
-    ``imports_torch``: its ranks form a torch group (local ones are then forked)."""
+    ``imports_torch``: its ranks form a torch group."""
     if spec is None:
         return LocalPlacement(world_size, env=env, gpus=gpus, launch_prefix=launch_prefix,
-                              output=rank_output, fork=imports_torch)
+                              output=rank_output, torch=imports_torch)
     return RayGroup(world_size, spec, device, env=env, launch_prefix=launch_prefix,
                     start_timeout=start_timeout, spares=spares)
 

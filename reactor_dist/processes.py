@@ -74,10 +74,10 @@ log = logging.getLogger("reactor_dist")
 
 def forking_chosen() -> bool:
     """Not turned off: ``REACTOR_DIST_RANK_START=spawn`` spawns every rank (``fork``, the
-    default, forks those that form a torch group from a template)."""
+    default, forks the local ranks from a template)."""
     choice = os.environ.get(RANK_START_ENV, "fork")
     if choice not in ("fork", "spawn"):
-        raise ValueError(f"{RANK_START_ENV} must be 'fork' or 'spawn', got {choice!r}")
+        raise ValueError(f"REACTOR_DIST_RANK_START must be 'fork' or 'spawn', got {choice!r}")
     return choice == "fork"
 
 
@@ -189,9 +189,10 @@ class RankProcess(Rank):
     def spawn(cls, rank: int, world_size: int, bootstrap: bytes, *, master_port: int,
               env: dict[str, str], gpus: list[int] | None, launch_prefix: list[str],
               output: str = "stderr", torch_env: dict[str, str] | None = None,
-              label: str = "", fork: bool = False) -> RankProcess:
+              label: str = "", fork: bool = False, torch: bool = False) -> RankProcess:
         """Start rank ``rank``: ``python -P -m reactor_dist.rank`` (behind ``launch_prefix``),
-        or forked from a template where ``fork`` (reactor_dist.template), with the torchrun
+        or forked from a template where ``fork`` (reactor_dist.template; one that imported
+        torch where ``torch``, the rank forms a torch group), with the torchrun
         environment (``torch_env``, else this machine's) and ``env``; the bootstrap goes to
         its stdin, its lines where ``output`` says (output.OUTPUT_MODES)."""
         full_env = dict(os.environ)
@@ -205,15 +206,15 @@ class RankProcess(Rank):
             full_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         prefix = [part.replace("{rank}", str(rank)) for part in launch_prefix]
         cmd = prefix + [sys.executable, *SAFE_PATH]
-        return cls(rank, cmd, full_env, os.getcwd(), bootstrap, output, label, fork)
+        return cls(rank, cmd, full_env, os.getcwd(), bootstrap, output, label, fork, torch)
 
     def __init__(self, rank: int, cmd: list[str], env: dict[str, str], cwd: str,
                  bootstrap: bytes, output: str = "stderr", label: str = "",
-                 fork: bool = False) -> None:
+                 fork: bool = False, torch: bool = False) -> None:
         self.rank = rank
         self.mark = f"{os.getpid()}-{id(self):x}-{os.urandom(4).hex()}"
         self.popen: subprocess.Popen[bytes] | template.Forked = self._start(
-            cmd, {**env, MARK_ENV: self.mark}, cwd, fork)
+            cmd, {**env, MARK_ENV: self.mark}, cwd, fork, torch)
         self.pid = self.pgid = self.popen.pid
         # Ours until the final kill: a dead rank is only looked at (waitid WNOWAIT through
         # its pidfd), never reaped before end_ranks signalled its group, so that its pid,
@@ -231,11 +232,11 @@ class RankProcess(Rank):
             pass  # died at once; the death notice tells the story
 
     @staticmethod
-    def _start(cmd: list[str], env: dict[str, str], cwd: str,
-               fork: bool) -> subprocess.Popen[bytes] | template.Forked:
+    def _start(cmd: list[str], env: dict[str, str], cwd: str, fork: bool,
+               torch: bool) -> subprocess.Popen[bytes] | template.Forked:
         if fork:
             try:
-                return template.Forked(env, cwd)
+                return template.Forked(env, cwd, torch)
             except template.TemplateFailed as e:
                 log.warning("the rank template did not fork a rank (%s): spawning it "
                             "instead", e)
@@ -559,12 +560,13 @@ class LocalPlacement(Placement):
     """placement="local": each rank a child process of this one (RankProcess)."""
 
     def __init__(self, world_size: int, *, env: dict[str, str], gpus: list[int] | None,
-                 launch_prefix: list[str], output: str = "stderr", fork: bool = False) -> None:
+                 launch_prefix: list[str], output: str = "stderr", torch: bool = False) -> None:
         self.world_size, self.env, self.gpus = world_size, env, gpus
         self.launch_prefix, self.output = launch_prefix, output
-        # Ranks that import torch anyway are forked from a template (reactor_dist.template)
-        # unless a launch_prefix runs them or REACTOR_DIST_RANK_START=spawn says otherwise.
-        self.fork = fork and not launch_prefix and forking_chosen()
+        # The ranks are forked from a template (reactor_dist.template), one that imported
+        # torch where they form a torch group, unless a launch_prefix runs them or
+        # REACTOR_DIST_RANK_START=spawn says otherwise.
+        self.fork, self.torch = not launch_prefix and forking_chosen(), torch
         self.master_port = 0  # MASTER_PORT of the ranks (models that form their own group)
 
     @property
@@ -595,13 +597,14 @@ class LocalPlacement(Placement):
         return RankProcess.spawn(place, self.world_size, bootstrap.to_bytes(),
                                  master_port=self.master_port, env=self.env, gpus=self.gpus,
                                  launch_prefix=self.launch_prefix, output=self.output,
-                                 torch_env=env, label=label, fork=self.fork)
+                                 torch_env=env, label=label, fork=self.fork,
+                                 torch=self.torch)
 
     def _spawn(self, rank: int, bootstrap: Callable[[int], Bootstrap]) -> RankProcess:
         return RankProcess.spawn(rank, self.world_size, bootstrap(rank).to_bytes(),
                                  master_port=self.master_port, env=self.env, gpus=self.gpus,
                                  launch_prefix=self.launch_prefix, output=self.output,
-                                 fork=self.fork)
+                                 fork=self.fork, torch=self.torch)
 
     def close(self, ranks: Ranks, grace: float) -> None:
         ranks.end(grace)

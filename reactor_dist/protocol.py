@@ -377,19 +377,21 @@ TEMPLATE_NAME = "rank-template"
 
 
 class ForkRequest(NamedTuple):
-    """Runner -> template: fork a rank with this environment and working directory; its
-    stdin (read end) and its output (write end) travel as SCM_RIGHTS fds beside it."""
+    """Runner -> template: fork a rank with this environment, working directory and CPU
+    affinity; its stdin (read end) and its output (write end) travel as SCM_RIGHTS fds
+    beside it."""
 
     env: dict[str, str]
     cwd: str
+    cpus: list[int]
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"env": self.env, "cwd": self.cwd}).encode()
+        return json.dumps({"env": self.env, "cwd": self.cwd, "cpus": self.cpus}).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ForkRequest:
         fields = json.loads(data)
-        return cls(fields["env"], fields["cwd"])
+        return cls(fields["env"], fields["cwd"], fields["cpus"])
 
 
 class ForkReply(NamedTuple):

@@ -28,9 +28,12 @@ ranks are spawned (``processes.RankProcess``), with a warning that says why.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import importlib
 import logging
 import os
+import resource
 import select
 import socket
 import struct
@@ -54,14 +57,21 @@ log = logging.getLogger("reactor_dist")
 
 # What the template process runs: the rank's own program (processes.RANK_MAIN) with
 # serve() before it, which returns only in a forked rank.
+# serve() before it, which returns only in a forked rank; its arguments are the modules it
+# imports before it forks (PRELOAD, TORCH).
 TEMPLATE_MAIN = (f"import signal; signal.pthread_sigmask(signal.SIG_BLOCK, "
                  f"{{{int(GROUP_ABORT_SIGNAL)}}}); from reactor_dist.template import serve; "
                  f"serve(); import runpy; "
                  f"runpy.run_module('reactor_dist.rank', run_name='__main__', alter_sys=True)")
+# What every rank imports from outside the standard library (with what they import),
+# ~0.3 s of CPU; and what a rank that forms a torch group imports besides, 2-3 s.
+PRELOAD = ("numpy", "zmq", "msgpack", "psutil")
+TORCH = ("torch.distributed",)
 # Set per rank, and read by torch only once the rank forms its group or picks its GPU.
 PER_RANK = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                       "MASTER_PORT", "CUDA_VISIBLE_DEVICES", MARK_ENV})
-KEPT = 2  # templates a process keeps (one per environment), the least recently used ended
+KEPT = 4  # templates a process keeps (one per kind and environment), the least recently
+# used ended
 READY_TIMEOUT = 60.0  # seconds for a template to import torch (a loaded machine: ~10)
 FORK_TIMEOUT = 10.0  # seconds for a fork's reply
 PR_SET_NAME, PR_SET_CHILD_SUBREAPER = 15, 36
@@ -89,10 +99,16 @@ class Template:
     _owner = os.getpid()
 
     @classmethod
-    def fork(cls, env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int) -> int:
+    def fork(cls, env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int,
+             torch: bool) -> int:
         """Fork a rank with ``env`` (its whole environment) in ``cwd``, ``stdin_fd`` and
-        ``output_fd`` as its stdin and its stdout/stderr; its pid, a child of this process."""
-        key = tuple(sorted(f"{k}={v}" for k, v in env.items() if k not in PER_RANK))
+        ``output_fd`` as its stdin and its stdout/stderr, from a template that imported
+        torch too where ``torch``; its pid, a child of this process."""
+        modules = PRELOAD + TORCH if torch else PRELOAD
+        # What a child inherits at its start and torch or numpy may read as they are
+        # imported: the environment (but PER_RANK), the resource limits, the umask.
+        key = (modules, tuple(sorted(f"{k}={v}" for k, v in env.items() if k not in PER_RANK)),
+               _limits(), _umask())
         with cls._lock:
             if cls._owner != os.getpid():  # a fork of the process: its templates are not ours
                 cls._kept.clear()
@@ -104,7 +120,7 @@ class Template:
             if template is None:
                 own = {k: v for k, v in env.items() if k not in PER_RANK}
                 # What the ranks it forks show in /proc/<pid>/environ: their runner's pid.
-                template = cls({**own, MARK_ENV: f"{os.getpid()}-template"})
+                template = cls({**own, MARK_ENV: f"{os.getpid()}-template"}, modules)
                 while len(cls._kept) >= KEPT:
                     cls._kept.popitem(last=False)[1].close()
             cls._kept[key] = template
@@ -121,12 +137,18 @@ class Template:
         with cls._lock:
             return {t.process.pid for t in cls._kept.values() if t.running()}
 
-    def __init__(self, env: dict[str, str]) -> None:
+    @classmethod
+    def fds(cls) -> set[int]:
+        """This process's ends of its templates' sockets (one descriptor each)."""
+        with cls._lock:
+            return {t.sock.fileno() for t in cls._kept.values()}
+
+    def __init__(self, env: dict[str, str], modules: tuple[str, ...]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock = ours
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-P", "-c", TEMPLATE_MAIN],
+                [sys.executable, "-P", "-c", TEMPLATE_MAIN, *modules],
                 env={**env, TEMPLATE_FD_ENV: str(theirs.fileno())},
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, pass_fds=[theirs.fileno()],
                 close_fds=True, **OWN_PROCESS_GROUP)
@@ -159,7 +181,8 @@ class Template:
             raise TemplateFailed(f"this process cannot adopt the rank ({e})") from None
         try:
             try:
-                socket.send_fds(self.sock, [ForkRequest(env, cwd).to_bytes()],
+                request = ForkRequest(env, cwd, sorted(os.sched_getaffinity(0)))
+                socket.send_fds(self.sock, [request.to_bytes()],
                                 [stdin_fd, output_fd])
             except OSError as e:
                 raise TemplateFailed(f"it could not be asked ({e})") from None
@@ -182,6 +205,16 @@ class Template:
             self.process.wait()
 
 
+def _limits() -> tuple[tuple[int, int], ...]:
+    return tuple(resource.getrlimit(getattr(resource, name)) for name in dir(resource)
+                 if name.startswith("RLIMIT_"))
+
+
+def _umask() -> str:
+    with open("/proc/self/status") as f:
+        return next((line for line in f if line.startswith("Umask:")), "")
+
+
 def _is_child(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -194,11 +227,11 @@ class Forked:
     """A forked rank, answering what processes.RankProcess asks of a subprocess.Popen:
     its pid, its stdin and output pipes, its exit status once reaped."""
 
-    def __init__(self, env: dict[str, str], cwd: str) -> None:
+    def __init__(self, env: dict[str, str], cwd: str, torch: bool) -> None:
         stdin_r, stdin_w = os.pipe()
         output_r, output_w = os.pipe()
         try:
-            self.pid = Template.fork(env, cwd, stdin_r, output_w)
+            self.pid = Template.fork(env, cwd, stdin_r, output_w, torch)
         except BaseException:
             os.close(stdin_w)
             os.close(output_r)
@@ -240,7 +273,8 @@ def serve() -> None:
     parent = os.pidfd_open(os.getppid())
     own_name = _name()
     _prctl(PR_SET_NAME, TEMPLATE_NAME.encode())
-    import torch.distributed  # noqa: F401  (the point of it)
+    for module in sys.argv[1:]:  # the point of it
+        importlib.import_module(module)
     sock.send(ForkReply(0).to_bytes())
     while True:
         ready, _, _ = select.select([sock, parent], [], [])
@@ -304,10 +338,13 @@ def _become_rank(request: ForkRequest, fds: list[int], own_name: str) -> None:
     os.environ.clear()
     os.environ.update(request.env)
     os.chdir(request.cwd)
-    import torch
-    torch.seed()  # else every rank would draw what the template would have drawn
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, request.cpus)  # the runner's now, as a spawned rank's
+    sys.argv[1:] = []
+    # Else every rank would draw what the template would have drawn.
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
+    sys.modules["numpy"].random.seed()
     for name in [n for n in sys.modules if n == "reactor_dist" or n.startswith("reactor_dist.")]:
         del sys.modules[name]  # imported anew, under the rank's environment
 

@@ -63,7 +63,9 @@ CHILD = textwrap.dedent("""
         report["error"] = [type(exc).__name__, str(exc), getattr(exc, "errno", None),
                            isinstance(exc, zmq.ZMQError) or isinstance(exc, OSError)]
     del runner
-    report["leftover_fds"] = [f for f in fds() if f not in before]
+    # The rank template's socket stays: it serves every runner of the process (template.py).
+    from reactor_dist.template import Template
+    report["leftover_fds"] = [f for f in fds() if f not in before and f not in Template.fds()]
     report["leftover_dirs"] = dirs()
     print(json.dumps(report))
 """)

@@ -22,8 +22,9 @@ PACKAGE = pathlib.Path(reactor_dist.__file__).parent
 LOG_CALLS = {"warning", "warn", "error"}
 # Never shown to a user as themselves: CommandBlocked is caught inside the call path and
 # becomes WorkerTimeout's "was sent to no rank"; the module __getattr__'s AttributeError
-# is Python's own "module ... has no attribute ...".
-NOT_SHOWN = {"CommandBlocked", "AttributeError"}
+# is Python's own "module ... has no attribute ...".  TemplateFailed is caught where a
+# rank is started: its text is the reason in "the rank template did not fork a rank".
+NOT_SHOWN = {"CommandBlocked", "AttributeError", "TemplateFailed"}
 
 
 def literal(node: ast.expr) -> str | None:
