@@ -67,6 +67,14 @@ TEMPLATE_MAIN = (f"import signal; signal.pthread_sigmask(signal.SIG_BLOCK, "
 # ~0.3 s of CPU; and what a rank that forms a torch group imports besides, 2-3 s.
 PRELOAD = ("numpy", "zmq", "msgpack", "psutil")
 TORCH = ("torch.distributed",)
+# The variables that the interpreter, its C library or the preloaded modules (their
+# native libraries: OpenMP, OpenBLAS, MKL, CUDA's) may read before the fork: a template
+# serves the ranks whose values of these are its own.  Any other variable (the caller's
+# own, PYTEST_CURRENT_TEST, ...) is only set in the forked rank, whose worker and its
+# imports read it there, as a spawned rank would.
+READ_AT_IMPORT = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_", "BLIS_",
+                  "NUMPY_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_", "NCCL_", "GLOO_", "ZMQ",
+                  "LD_", "MALLOC_", "GLIBC_", "LC_", "LANG", "TZ", "TMPDIR", "HOME", "PATH")
 # Set per rank, and read by torch only once the rank forms its group or picks its GPU.
 PER_RANK = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                       "MASTER_PORT", "CUDA_VISIBLE_DEVICES", MARK_ENV})
@@ -106,8 +114,8 @@ class Template:
         torch too where ``torch``; its pid, a child of this process."""
         modules = PRELOAD + TORCH if torch else PRELOAD
         # What a child inherits at its start and torch or numpy may read as they are
-        # imported: the environment (but PER_RANK), the resource limits, the umask.
-        key = (modules, tuple(sorted(f"{k}={v}" for k, v in env.items() if k not in PER_RANK)),
+        # imported: those variables, the resource limits, the umask.
+        key = (modules, tuple(sorted(f"{k}={v}" for k, v in env.items() if _read_at_import(k))),
                _limits(), _umask())
         with cls._lock:
             if cls._owner != os.getpid():  # a fork of the process: its templates are not ours
@@ -118,7 +126,7 @@ class Template:
                 template.close()
                 template = None
             if template is None:
-                own = {k: v for k, v in env.items() if k not in PER_RANK}
+                own = {k: v for k, v in env.items() if _read_at_import(k)}
                 # What the ranks it forks show in /proc/<pid>/environ: their runner's pid.
                 template = cls({**own, MARK_ENV: f"{os.getpid()}-template"}, modules)
                 while len(cls._kept) >= KEPT:
@@ -203,6 +211,10 @@ class Template:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def _read_at_import(name: str) -> bool:
+    return name.startswith(READ_AT_IMPORT) and name not in PER_RANK
 
 
 def _limits() -> tuple[tuple[int, int], ...]:
