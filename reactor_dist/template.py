@@ -176,6 +176,8 @@ class Template:
             raise TemplateFailed(f"it did not answer within {timeout:.0f} s")
         data = self.sock.recv(MESSAGE_MAX)
         if not data:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=1.0)
             raise TemplateFailed(f"it exited ({self.process.poll()})")
         return ForkReply.from_bytes(data)
 

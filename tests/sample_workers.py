@@ -212,6 +212,30 @@ class LateStacks(Step):
 
 
 @dataclasses.dataclass
+class ProcessFacts(Step):
+    """How the rank's process was made (tests/test_template.py): its parentage, process
+    group, name, environment, working directory, CPUs, arguments, and a first draw of
+    each random generator; every rank's, all_gathered, where the runner formed a group."""
+
+    def run(self, worker: Echo):
+        with open("/proc/self/comm") as f:
+            comm = f.read().strip()
+        torch = sys.modules.get("torch")
+        mine = {"rank": worker.rank, "pid": os.getpid(), "ppid": os.getppid(),
+                "pgid": os.getpgid(0), "comm": comm, "cwd": os.getcwd(),
+                "mark": os.environ.get("REACTOR_DIST_RANK_MARK"),
+                "RANK": os.environ.get("RANK"), "own": os.environ.get("TEMPLATE_TEST_VALUE"),
+                "cpus": sorted(os.sched_getaffinity(0)), "argv": sys.argv[1:],
+                "torch": torch is not None, "numpy_draw": float(np.random.random()),
+                "torch_seed": torch.initial_seed() if torch is not None else None}
+        if worker.world_size == 1 or torch is None or not torch.distributed.is_initialized():
+            return [mine]
+        every: list = [None] * worker.world_size
+        torch.distributed.all_gather_object(every, mine)
+        return every
+
+
+@dataclasses.dataclass
 class GatherEnvironment(Step):
     """ReportEnvironment of every rank, all_gathered over the group (rank order)."""
 

@@ -28,6 +28,7 @@ from probe import Probe, marked_by
 from sample_workers import Echo
 
 from reactor_dist import DistributedRunner, shm
+from reactor_dist.protocol import TEMPLATE_NAME
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
@@ -184,7 +185,7 @@ def test_sigkill_of_the_application_during_start(apps):
     deadline = time.monotonic() + 30
     ranks: list[psutil.Process] = []
     while time.monotonic() < deadline and len(ranks) < 2:
-        ranks = [p for p in app.tree() if "reactor_dist.rank" in " ".join(p.cmdline())]
+        ranks = [p for p in app.tree() if is_rank(p, app.proc.pid)]
         time.sleep(0.05)
     assert len(ranks) == 2
     time.sleep(0.5)  # let them get into load()
@@ -192,6 +193,16 @@ def test_sigkill_of_the_application_during_start(apps):
     died = app.kill()
     assert_all_gone_within(pids, died)
     assert our_entries(app.info["prefix"]) == []
+
+
+def is_rank(p: psutil.Process, app_pid: int) -> bool:
+    """A rank of the app: its child that runs reactor_dist.rank, spawned or forked, and not
+    the rank template those are forked from (nor the template's fork on its way)."""
+    try:
+        return (p.ppid() == app_pid and p.name() != TEMPLATE_NAME
+                and "reactor_dist.rank" in " ".join(p.cmdline()))
+    except psutil.Error:
+        return False
 
 
 def fake_entry(pid: int, started: str, what: str = "in1") -> str:

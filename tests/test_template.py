@@ -1,0 +1,145 @@
+"""The rank template (reactor_dist.template): local ranks forked from a process that has
+imported what every rank imports (and torch, for the ranks of a group), each one made as
+a spawned rank would be: the runner's child, in a process group of its own, with its own
+environment, working directory, CPUs and random generators; a template that serves
+every runner of its process and ends with it; spawning where it cannot fork, or where
+``REACTOR_DIST_RANK_START=spawn`` says so."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+from conftest import wait_gone
+from probe import Probe
+from sample_workers import Echo, ProcessFacts
+
+from reactor_dist import DistributedRunner, template
+from reactor_dist.protocol import MARK_ENV, TEMPLATE_NAME
+from reactor_dist.template import Template
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def facts(runner: DistributedRunner) -> list[dict]:
+    return runner.generate(ProcessFacts())
+
+
+def shown_environ(pid: int) -> dict[str, str]:
+    return psutil.Process(pid).environ()
+
+
+def test_the_ranks_of_a_group_are_forked_children_made_as_spawned_ones(runner_for):
+    with runner_for(Echo, world_size=2, init_process_group=True,
+                    env={"TEMPLATE_TEST_VALUE": "mine"}) as runner:
+        ranks = facts(runner)
+        pids = Probe(runner).rank_pids
+    assert [r["rank"] for r in ranks] == [0, 1] and [r["pid"] for r in ranks] == pids
+    for r in ranks:
+        assert r["ppid"] == os.getpid() and r["pgid"] == r["pid"]  # the runner's child
+        assert r["comm"] != TEMPLATE_NAME and r["comm"] == psutil.Process().name()
+        assert r["mark"].startswith(f"{os.getpid()}-") and not r["mark"].endswith("-template")
+        assert r["RANK"] == str(r["rank"]) and r["own"] == "mine"  # env= reaches the rank
+        assert r["cwd"] == os.getcwd() and r["cpus"] == sorted(os.sched_getaffinity(0))
+        assert r["argv"] == [] and r["torch"] is True
+    assert ranks[0]["mark"] != ranks[1]["mark"]
+    # Reseeded in each rank: not the template's draws, nor each other's.
+    assert ranks[0]["torch_seed"] != ranks[1]["torch_seed"]
+    assert ranks[0]["numpy_draw"] != ranks[1]["numpy_draw"]
+    # /proc shows the template's command line and environment: the rank's program,
+    # this process's pid in the mark.
+    (forked_from,) = [p for p in Template.pids()
+                      if "torch.distributed" in psutil.Process(p).cmdline()]
+    tp = psutil.Process(forked_from)
+    assert tp.name() == TEMPLATE_NAME and tp.ppid() == os.getpid()
+    assert "reactor_dist.rank" in " ".join(tp.cmdline())
+    assert shown_environ(forked_from)[MARK_ENV] == f"{os.getpid()}-template"
+    assert "TEMPLATE_TEST_VALUE" not in shown_environ(forked_from)  # read after the fork
+
+
+def test_one_template_serves_every_runner_of_the_process(runner_for):
+    seen = []
+    for _ in range(2):
+        with runner_for(Echo, world_size=2, init_process_group=True) as runner:
+            assert [r["ppid"] for r in facts(runner)] == [os.getpid()] * 2
+        seen.append(Template.pids())
+    assert seen[0] == seen[1] and seen[0]
+
+
+def test_a_rank_without_a_group_is_forked_without_torch(runner_for):
+    with runner_for(Echo, world_size=2) as runner:  # init_process_group=False
+        (rank0,) = facts(runner)
+    assert rank0["torch"] is False and rank0["ppid"] == os.getpid()
+    assert rank0["comm"] != TEMPLATE_NAME
+
+
+def test_spawn_is_chosen_with_the_environment(runner_for, monkeypatch):
+    monkeypatch.setenv("REACTOR_DIST_RANK_START", "spawn")
+    with runner_for(Echo, world_size=2, init_process_group=True) as runner:
+        ranks = facts(runner)
+        marks = [shown_environ(r["pid"]).get(MARK_ENV) for r in ranks]
+    assert [r["ppid"] for r in ranks] == [os.getpid()] * 2
+    assert marks == [r["mark"] for r in ranks]  # a spawned rank's own, in /proc too
+    monkeypatch.setenv("REACTOR_DIST_RANK_START", "fast")
+    with pytest.raises(ValueError, match="REACTOR_DIST_RANK_START must be 'fork' or 'spawn', "
+                                         "got 'fast'"):
+        DistributedRunner(Echo, world_size=2, device="cpu")
+
+
+def test_a_template_that_cannot_start_means_spawned_ranks_and_a_warning(
+        runner_for, monkeypatch, caplog):
+    monkeypatch.setattr(template, "PRELOAD", ("reactor_dist_test_no_such_module",))
+    with caplog.at_level(logging.WARNING, logger="reactor_dist"):
+        with runner_for(Echo, world_size=2) as runner:
+            (rank0,) = facts(runner)
+            assert runner.generate(7) == 7
+            shown = shown_environ(rank0["pid"]).get(MARK_ENV)
+    assert rank0["ppid"] == os.getpid() and shown == rank0["mark"]  # spawned
+    warned = [r.getMessage() for r in caplog.records
+              if r.getMessage().startswith("the rank template did not fork a rank")]
+    assert len(warned) == 2 and all("it exited (1)" in w and w.endswith(
+        "spawning it instead") for w in warned)
+
+
+APP = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {tests!r})
+    from sample_workers import Echo
+    from reactor_dist import DistributedRunner
+    from reactor_dist.template import Template
+    if __name__ == "__main__":
+        runner = DistributedRunner(Echo, world_size=2, device="cpu")
+        runner.start()
+        assert runner.generate(1) == 1
+        print(" ".join(str(p) for p in Template.pids()), flush=True)
+        if sys.argv[1] == "exit":
+            runner.shutdown()
+            sys.exit(0)
+        time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("end", ["exit", "sigkill"])
+def test_the_template_ends_with_its_process(tmp_path, end):
+    script = tmp_path / "app.py"
+    script.write_text(APP.format(tests=TESTS))
+    app = subprocess.Popen([sys.executable, str(script), end], stdout=subprocess.PIPE,
+                           text=True)
+    try:
+        line = app.stdout.readline()
+        templates = [int(p) for p in line.split()]
+        assert len(templates) == 1 and psutil.Process(templates[0]).name() == TEMPLATE_NAME
+        if end == "sigkill":
+            app.send_signal(signal.SIGKILL)
+        assert app.wait(timeout=60) == (0 if end == "exit" else -signal.SIGKILL)
+        assert wait_gone(templates, timeout=10.0) == []
+    finally:
+        app.kill()
+        app.wait()
+        app.stdout.close()
