@@ -9,13 +9,15 @@ checks first, before anything starts, and raises
 
 What a runner holds in the caller's process, measured (Linux, pyzmq 27.3, libzmq
 4.3.5): the smallest limit at which ``start()`` and a call with a 4 MiB input succeed
-is the descriptors already open + 17 + 5 per rank, at world_size 1, 2, 4 and 8, with
+is the descriptors already open + 17 + 5 per rank (spawned ranks), at world_size 1, 2, 4 and 8, with
 and without ``init_process_group``.
 
-- :data:`FIXED` (17): ZeroMQ's context and the two sockets (2 epoll, 5 eventfd, 2
+- :data:`FIXED` (19): ZeroMQ's context and the two sockets (2 epoll, 5 eventfd, 2
   listening sockets), the private directory's lock, the death watch's wake pipe and
   the releaser's (14 for the runner's life); the stdin and exec-error pipes of a
-  rank being spawned, and the segments a call maps (3 more, for moments).
+  rank being spawned, and the segments a call maps (3 more, for moments); the sockets
+  of the rank templates the ranks are forked from (reactor_dist.template: one for the
+  ranks of a torch group, one for the others; 2, for the process's life).
 - :data:`PER_RANK` (5): the rank's pidfd and the death watch's, its output pipe, its
   two connections (commands, replies).
 - :data:`SEGMENTS` (32): each mapped /dev/shm segment holds a descriptor (Python's
@@ -33,7 +35,7 @@ import resource
 
 from .errors import FileLimitTooLow
 
-FIXED, PER_RANK, SEGMENTS = 17, 5, 32
+FIXED, PER_RANK, SEGMENTS = 19, 5, 32
 
 
 def needed(world_size: int) -> int:

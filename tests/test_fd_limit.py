@@ -93,7 +93,7 @@ def expected_message(report: dict) -> str:
     if not unlimited and report["hard"] < used + need:
         hard += "; raising it past that needs root, or docker --ulimit nofile=65536"
     return (f"the open files limit (RLIMIT_NOFILE) is {limit}, with {used} descriptors in "
-            f"use: a runner of {WORLD_SIZE} ranks needs {need} more (17 + 5 per rank + 32 "
+            f"use: a runner of {WORLD_SIZE} ranks needs {need} more (19 + 5 per rank + 32 "
             f"for shared-memory segments), so at least {used + need} is needed. Raise it "
             f"before starting: `ulimit -n {suggest}` in the shell, or resource.setrlimit("
             f"resource.RLIMIT_NOFILE, ({suggest}, hard)) in Python (the hard limit is "

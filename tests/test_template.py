@@ -40,6 +40,7 @@ def test_the_ranks_of_a_group_are_forked_children_made_as_spawned_ones(runner_fo
                     env={"TEMPLATE_TEST_VALUE": "mine"}) as runner:
         ranks = facts(runner)
         pids = Probe(runner).rank_pids
+        shown = [(psutil.Process(p).cmdline(), shown_environ(p)) for p in pids]
     assert [r["rank"] for r in ranks] == [0, 1] and [r["pid"] for r in ranks] == pids
     for r in ranks:
         assert r["ppid"] == os.getpid() and r["pgid"] == r["pid"]  # the runner's child
@@ -52,15 +53,16 @@ def test_the_ranks_of_a_group_are_forked_children_made_as_spawned_ones(runner_fo
     # Reseeded in each rank: not the template's draws, nor each other's.
     assert ranks[0]["torch_seed"] != ranks[1]["torch_seed"]
     assert ranks[0]["numpy_draw"] != ranks[1]["numpy_draw"]
-    # /proc shows the template's command line and environment: the rank's program,
-    # this process's pid in the mark.
-    (forked_from,) = [p for p in Template.pids()
-                      if "torch.distributed" in psutil.Process(p).cmdline()]
-    tp = psutil.Process(forked_from)
-    assert tp.name() == TEMPLATE_NAME and tp.ppid() == os.getpid()
-    assert "reactor_dist.rank" in " ".join(tp.cmdline())
-    assert shown_environ(forked_from)[MARK_ENV] == f"{os.getpid()}-template"
-    assert "TEMPLATE_TEST_VALUE" not in shown_environ(forked_from)  # read after the fork
+    # /proc shows the template's command line and environment: the rank's program, with
+    # torch imported before the fork; this process's pid in the mark; none of what is
+    # read only after the fork.
+    templates = [psutil.Process(p) for p in Template.pids()]
+    assert all(t.name() == TEMPLATE_NAME and t.ppid() == os.getpid() for t in templates)
+    for cmdline, environ in shown:
+        assert cmdline in [t.cmdline() for t in templates]
+        assert "reactor_dist.rank" in " ".join(cmdline) and "torch.distributed" in cmdline
+        assert environ[MARK_ENV] == f"{os.getpid()}-template"
+        assert "TEMPLATE_TEST_VALUE" not in environ
 
 
 def test_one_template_serves_every_runner_of_the_process(runner_for):
