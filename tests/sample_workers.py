@@ -236,6 +236,24 @@ class ProcessFacts(Step):
 
 
 @dataclasses.dataclass
+class AtExit(Step):
+    """Each rank registers an atexit handler that appends its rank to ``path``, and
+    prints a line it never flushes: what a rank's exit must still do (rank.leave)."""
+
+    path: str
+
+    def run(self, worker: Echo):
+        import atexit
+
+        def note(rank: int = worker.rank) -> None:
+            with open(self.path, "a") as f:
+                f.write(f"rank {rank} ran its atexit handler\n")
+
+        atexit.register(note)
+        sys.stdout.write(f"rank {worker.rank} unflushed\n")
+
+
+@dataclasses.dataclass
 class GatherEnvironment(Step):
     """ReportEnvironment of every rank, all_gathered over the group (rank order)."""
 

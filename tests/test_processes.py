@@ -14,7 +14,7 @@ import numpy as np
 import psutil
 from conftest import wait_gone
 from probe import Probe
-from sample_workers import AllGather, Echo, ReportEnvironment, SpawnChild
+from sample_workers import AllGather, AtExit, Echo, ReportEnvironment, SpawnChild
 
 from reactor_dist import DistributedRunner
 
@@ -189,3 +189,19 @@ def test_a_command_cut_short_by_ctrl_c_cannot_swallow_the_next():
         Probe(runner).cut_a_command_short()
         assert runner.generate("after") == "after"
         assert runner.healthy
+
+
+def test_a_rank_that_leaves_runs_its_atexit_handlers_and_flushes_its_output(tmp_path):
+    """A rank ends with os._exit (rank.leave), past the interpreter's teardown: its atexit
+    handlers still run, its unflushed output still reaches the runner, its code is 0."""
+    path = tmp_path / "atexit.txt"
+    runner = fast_runner(world_size=2, init_process_group=True)
+    with runner:
+        runner.generate(AtExit(str(path)))
+        procs = Probe(runner).rank_processes
+        outputs = [p.output for p in procs]
+    assert sorted(path.read_text().splitlines()) == [
+        "rank 0 ran its atexit handler", "rank 1 ran its atexit handler"]
+    assert [p.popen.returncode for p in procs] == [0, 0]
+    assert [[line for line in o.last_lines(200) if "unflushed" in line] for o in outputs] == [
+        ["rank 0 unflushed"], ["rank 1 unflushed"]]
