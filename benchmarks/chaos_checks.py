@@ -26,6 +26,7 @@ import psutil
 from benchmarks.chaos_workers import InjectedError
 from reactor_dist import CallQueueFull, RankDesync, WorkerCrashed, WorkerTimeout, shm
 from reactor_dist.protocol import IPC_DIR_PREFIX, MARK_ENV
+from reactor_dist.template import Template
 
 # The RuntimeErrors the contract allows, by their words (docs/errors-and-recovery.md).
 ALLOWED_RUNTIME = {
@@ -235,6 +236,7 @@ def leftovers() -> list[str]:
     while True:
         procs = marked() | {p.pid for p in psutil.Process().children(recursive=True)
                             if _running(p)}
+        procs -= Template.pids()  # they serve every runner of the process (template.py)
         if not procs or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -254,10 +256,13 @@ def _running(p: psutil.Process) -> bool:
 
 def end_everything() -> None:
     """SIGKILL whatever of ours still runs; remove our /dev/shm entries and ipc dirs."""
-    for pid in marked() | {p.pid for p in psutil.Process().children(recursive=True)}:
+    for pid in (marked() | {p.pid for p in psutil.Process().children(recursive=True)}) \
+            - Template.pids():
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
     for child in psutil.Process().children(recursive=True):
+        if child.pid in Template.pids():
+            continue
         with contextlib.suppress(psutil.Error):
             child.wait(timeout=5)
     for name in shm_entries():

@@ -26,6 +26,7 @@ import psutil
 from benchmarks.families.overhead import INPUT
 from benchmarks.implementations.pools import EchoRunner
 from benchmarks.implementations.raw_floor import RawFloor
+from reactor_dist.template import Template
 
 
 def main_thread_cpu_s(pids: list[int]) -> float:
@@ -41,14 +42,15 @@ def main_thread_cpu_s(pids: list[int]) -> float:
 def new_children(before: set[int], count: int) -> list[int]:
     """Pids of this process's children that were not there ``before``: the processes
     just started (the rank processes of a runner, the peers of a floor)."""
-    pids = [p.pid for p in psutil.Process().children() if p.pid not in before]
+    pids = [p for p in children() if p not in before]
     if len(pids) != count:
         raise RuntimeError(f"expected {count} new child processes, found {len(pids)}")
     return pids
 
 
 def children() -> set[int]:
-    return {p.pid for p in psutil.Process().children()}
+    """This process's children but the rank templates the ranks are forked from."""
+    return {p.pid for p in psutil.Process().children()} - Template.pids()
 
 
 def measure(call: Callable[[], object], peers: list[int], calls: int) -> tuple[float, ...]:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import psutil
 
+from reactor_dist.template import Template
+
 SHM = "/dev/shm"
 
 
@@ -68,10 +70,14 @@ def _mine(new: list[str]) -> list[str]:
 
 
 def leftover_children() -> list[psutil.Process]:
-    """Live descendants of this process, minus multiprocessing's resource tracker (it
-    lives until the interpreter exits, by design)."""
+    """Live descendants of this process, minus multiprocessing's resource tracker and
+    the rank templates (reactor_dist.template): both live until the interpreter exits,
+    by design."""
     out = []
+    templates = Template.pids()
     for p in psutil.Process().children(recursive=True):
+        if p.pid in templates:
+            continue
         try:
             if p.status() == psutil.STATUS_ZOMBIE:
                 continue
