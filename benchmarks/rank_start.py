@@ -21,21 +21,22 @@ import subprocess
 import sys
 import time
 
-TRIAL = """
-import json, resource, sys, time
 from reactor_dist import DistributedRunner, DistributedWorker
+
 
 class Echo(DistributedWorker):
     def generate(self, x, /):
         return x
 
-def cpu():
+
+def cpu() -> float:
     own = resource.getrusage(resource.RUSAGE_SELF)
     ranks = resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + ranks.ru_utime + ranks.ru_stime
 
-if __name__ == "__main__":
-    group, trials = sys.argv[1] == "group", int(sys.argv[2])
+
+def lifetimes(group: bool, trials: int) -> list[list[float]]:
+    """[start(), shutdown(), CPU] of each lifetime, in this process."""
     rows = []
     for _ in range(trials):
         cpu0, began = cpu(), time.perf_counter()
@@ -46,14 +47,14 @@ if __name__ == "__main__":
         called = time.perf_counter()
         runner.shutdown()
         rows.append([started - began, time.perf_counter() - called, cpu() - cpu0])
-    print(json.dumps(rows))
-"""
+    return rows
 
 
 def run(start: str, group: bool, trials: int) -> list[list[float]]:
     env = dict(os.environ, REACTOR_DIST_RANK_START=start)
-    out = subprocess.run([sys.executable, "-c", TRIAL, "group" if group else "none",
-                          str(trials)], env=env, check=True, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.rank_start", "--in-process",
+                          "group" if group else "none", "--trials", str(trials)],
+                         env=env, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.splitlines()[-1])
 
 
@@ -61,7 +62,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.rank_start",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=6)
+    parser.add_argument("--in-process", choices=["group", "none"],
+                        help="one setting's lifetimes in this process (as JSON)")
     args = parser.parse_args()
+    if args.in_process:
+        print(json.dumps(lifetimes(args.in_process == "group", args.trials)))
+        return
     print(f"world_size 2, device cpu; {args.trials} lifetimes per process; seconds "
           f"(first lifetime | median of the rest)")
     print(f"{'':22s}{'start()':>20s}{'shutdown()':>20s}{'CPU per lifetime':>22s}")
