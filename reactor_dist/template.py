@@ -104,7 +104,6 @@ class Template:
 
     _lock = threading.Lock()  # one fork at a time in a process: the subreaper flag is shared
     _kept: OrderedDict[tuple[str, ...], Template] = OrderedDict()
-    _owner = os.getpid()
 
     @classmethod
     def fork(cls, env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int,
@@ -118,9 +117,6 @@ class Template:
         key = (modules, tuple(sorted(f"{k}={v}" for k, v in env.items() if _read_at_import(k))),
                _limits(), _umask())
         with cls._lock:
-            if cls._owner != os.getpid():  # a fork of the process: its templates are not ours
-                cls._kept.clear()
-                cls._owner = os.getpid()
             template = cls._kept.pop(key, None)
             if template is not None and not template.running():
                 template.close()
@@ -138,6 +134,15 @@ class Template:
                 cls._kept.pop(key, None)
                 template.close()
                 raise
+
+    @classmethod
+    def _forget(cls) -> None:
+        """In a child forked from this process: its templates are not the child's (their
+        sockets are closed here, not there), and the lock may have been held mid-fork."""
+        cls._lock = threading.Lock()
+        for template in cls._kept.values():
+            template.sock.close()
+        cls._kept = OrderedDict()
 
     @classmethod
     def pids(cls) -> set[int]:
@@ -213,6 +218,9 @@ class Template:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+os.register_at_fork(after_in_child=Template._forget)
 
 
 def _read_at_import(name: str) -> bool:

@@ -145,3 +145,36 @@ def test_the_template_ends_with_its_process(tmp_path, end):
         app.kill()
         app.wait()
         app.stdout.close()
+
+
+FORKED_APP = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {tests!r})
+    from sample_workers import Echo
+    from reactor_dist import DistributedRunner
+    from reactor_dist.template import Template
+    if __name__ == "__main__":
+        with DistributedRunner(Echo, world_size=2, device="cpu") as runner:
+            runner.generate(1)
+        ours = Template.pids()
+        child = os.fork()
+        if child == 0:  # its parent's template is not its own: it starts one
+            found = Template.pids()
+            with DistributedRunner(Echo, world_size=2, device="cpu") as runner:
+                answer = runner.generate(2)
+            print(len(found), answer, len(Template.pids() - ours), flush=True)
+            os._exit(0)
+        _, status = os.waitpid(child, 0)
+        with DistributedRunner(Echo, world_size=2, device="cpu") as runner:
+            print(os.waitstatus_to_exitcode(status), runner.generate(3),
+                  Template.pids() == ours, flush=True)
+""")
+
+
+def test_a_forked_application_starts_its_own_template_and_its_parent_keeps_its(tmp_path):
+    script = tmp_path / "app.py"
+    script.write_text(FORKED_APP.format(tests=TESTS))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["0 2 1", "0 3 True"]
