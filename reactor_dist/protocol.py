@@ -379,34 +379,38 @@ TEMPLATE_NAME = "rank-template"
 class ForkRequest(NamedTuple):
     """Runner -> template: fork a rank with this environment, working directory and CPU
     affinity; its stdin (read end) and its output (write end) travel as SCM_RIGHTS fds
-    beside it."""
+    beside it.  ``seq`` numbers the requests: the reply carries it."""
 
+    seq: int
     env: dict[str, str]
     cwd: str
     cpus: list[int]
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"env": self.env, "cwd": self.cwd, "cpus": self.cpus}).encode()
+        return json.dumps({"seq": self.seq, "env": self.env, "cwd": self.cwd,
+                           "cpus": self.cpus}).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ForkRequest:
         fields = json.loads(data)
-        return cls(fields["env"], fields["cwd"], fields["cpus"])
+        return cls(fields["seq"], fields["env"], fields["cwd"], fields["cpus"])
 
 
 class ForkReply(NamedTuple):
-    """Template -> runner: the pid of the rank it forked, or 0 and why it could not."""
+    """Template -> runner: the pid of the rank it forked for request ``seq``, or 0 and
+    why it could not; seq 0, pid 0 once it is ready (its imports done)."""
 
+    seq: int
     pid: int
     error: str = ""
 
     def to_bytes(self) -> bytes:
-        return json.dumps([self.pid, self.error]).encode()
+        return json.dumps([self.seq, self.pid, self.error]).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ForkReply:
-        pid, error = json.loads(data)
-        return cls(int(pid), str(error))
+        seq, pid, error = json.loads(data)
+        return cls(int(seq), int(pid), str(error))
 
 
 # -- names other processes parse ----------------------------------------------------------

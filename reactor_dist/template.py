@@ -171,6 +171,8 @@ class Template:
         finally:
             theirs.close()
         self.ready = False
+        self.seq = 0  # the last request's
+        self.orphans: set[int] = set()  # forked for an interrupted request; ours to reap
 
     def running(self) -> bool:
         return self.process.poll() is None
@@ -187,21 +189,27 @@ class Template:
         return ForkReply.from_bytes(data)
 
     def _fork(self, env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int) -> int:
-        if not self.ready:  # its first reply, once it imported torch: pid 0
+        if not self.ready:  # its first reply, once it imported torch: seq 0
             self._receive(READY_TIMEOUT)
             self.ready = True
-        try:
-            _prctl(PR_SET_CHILD_SUBREAPER, 1)
-        except OSError as e:
-            raise TemplateFailed(f"this process cannot adopt the rank ({e})") from None
+        self._reap_orphans()
+        self.seq += 1
+        request = ForkRequest(self.seq, env, cwd, sorted(os.sched_getaffinity(0)))
         try:
             try:
-                request = ForkRequest(env, cwd, sorted(os.sched_getaffinity(0)))
-                socket.send_fds(self.sock, [request.to_bytes()],
-                                [stdin_fd, output_fd])
+                _prctl(PR_SET_CHILD_SUBREAPER, 1)
+            except OSError as e:
+                raise TemplateFailed(f"this process cannot adopt the rank ({e})") from None
+            try:
+                socket.send_fds(self.sock, [request.to_bytes()], [stdin_fd, output_fd])
             except OSError as e:
                 raise TemplateFailed(f"it could not be asked ({e})") from None
-            reply = self._receive(FORK_TIMEOUT)
+            # The replies to requests whose caller was interrupted (a KeyboardInterrupt)
+            # come first: their ranks, adopted and never told anything (their stdin is
+            # closed), exit, and are reaped later.
+            while (reply := self._receive(FORK_TIMEOUT)).seq != request.seq:
+                if reply.pid:
+                    self.orphans.add(reply.pid)
         finally:
             _prctl(PR_SET_CHILD_SUBREAPER, 0)
         if not reply.pid:
@@ -210,8 +218,16 @@ class Template:
             raise TemplateFailed(f"its rank (pid {reply.pid}) was not adopted")
         return reply.pid
 
+    def _reap_orphans(self) -> None:
+        for pid in list(self.orphans):
+            with contextlib.suppress(ChildProcessError):
+                if not os.waitpid(pid, os.WNOHANG)[0]:
+                    continue
+            self.orphans.discard(pid)
+
     def close(self) -> None:
         """Its socket closed: it exits (and is reaped here, within a second)."""
+        self._reap_orphans()
         self.sock.close()
         try:
             self.process.wait(timeout=1.0)
@@ -297,7 +313,7 @@ def serve() -> None:
     _prctl(PR_SET_NAME, TEMPLATE_NAME.encode())
     for module in sys.argv[1:]:  # the point of it
         importlib.import_module(module)
-    sock.send(ForkReply(0).to_bytes())
+    sock.send(ForkReply(0, 0).to_bytes())
     while True:
         ready, _, _ = select.select([sock, parent], [], [])
         if parent in ready:
@@ -315,7 +331,8 @@ def serve() -> None:
             return
         for fd in fds:
             os.close(fd)
-        sock.send(ForkReply(max(pid, 0), "" if pid > 0 else "fork failed").to_bytes())
+        sock.send(ForkReply(request.seq, max(pid, 0),
+                            "" if pid > 0 else "fork failed").to_bytes())
 
 
 def _fork_rank(sock: socket.socket, parent: int, fds: list[int], own_name: str) -> int:

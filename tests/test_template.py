@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import pytest
@@ -178,3 +179,35 @@ def test_a_forked_application_starts_its_own_template_and_its_parent_keeps_its(t
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["0 2 1", "0 3 True"]
+
+
+def test_an_interrupted_fork_keeps_the_template_in_step_and_its_rank_is_reaped(
+        runner_for, monkeypatch):
+    """A KeyboardInterrupt between a fork's request and its reply: the next fork reads
+    past that reply (its own carries its number), and the rank it named, which was never
+    told anything, exits and is reaped: no zombie is left."""
+    with runner_for(Echo, world_size=1) as runner:  # the template is ready
+        assert runner.generate(0) == 0
+    receive = Template._receive
+
+    def interrupted(self, timeout):
+        monkeypatch.setattr(Template, "_receive", receive)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Template, "_receive", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        runner_for(Echo, world_size=2).start()
+    with runner_for(Echo, world_size=2) as runner:
+        (rank0,) = facts(runner)  # the handle's pid is the rank's own, not the orphan's
+        assert Probe(runner).rank_pids[0] == rank0["pid"] and rank0["ppid"] == os.getpid()
+        assert runner.generate(5) == 5
+    light = [t for t in Template._kept.values() if "torch.distributed" not in t.process.args]
+    deadline = time.monotonic() + 10
+    while any(t.orphans for t in light) and time.monotonic() < deadline:
+        with runner_for(Echo, world_size=1) as runner:  # each fork reaps what has exited
+            runner.generate(1)
+    assert [t.orphans for t in light] == [set()]
+    own = Template.pids()
+    zombies = [c.pid for c in psutil.Process().children()
+               if c.pid not in own and c.status() == psutil.STATUS_ZOMBIE]
+    assert zombies == []
