@@ -13,6 +13,7 @@ import zmq
 from reactor_dist import DistributedRunner
 from reactor_dist.bus import Bus
 from reactor_dist.protocol import MARK_ENV, TEMPLATE_NAME
+from reactor_dist.template import Template
 
 
 def marked_by(runner_pid: int) -> list[psutil.Process]:
@@ -163,3 +164,22 @@ class Probe:
         group = self._supervisor.placement
         for sock in group._held:
             sock.close()
+
+
+def rank_templates() -> list:
+    """This process's rank templates (reactor_dist.template.Template), each with its
+    ``process`` (a Popen) and ``orphans`` (the pids of the ranks forked for an
+    interrupted request and not yet reaped)."""
+    return list(Template._kept.values())
+
+
+def interrupt_a_fork_reply(monkeypatch) -> None:
+    """The next fork's wait for its reply raises KeyboardInterrupt, once, after its
+    request was sent: what a Ctrl-C at that moment does."""
+    receive = Template._receive
+
+    def interrupted(self, timeout):
+        monkeypatch.setattr(Template, "_receive", receive)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Template, "_receive", interrupted)

@@ -18,7 +18,7 @@ import time
 import psutil
 import pytest
 from conftest import wait_gone
-from probe import Probe
+from probe import Probe, interrupt_a_fork_reply, rank_templates
 from sample_workers import Echo, ProcessFacts
 
 from reactor_dist import DistributedRunner, template
@@ -188,20 +188,14 @@ def test_an_interrupted_fork_keeps_the_template_in_step_and_its_rank_is_reaped(
     told anything, exits and is reaped: no zombie is left."""
     with runner_for(Echo, world_size=1) as runner:  # the template is ready
         assert runner.generate(0) == 0
-    receive = Template._receive
-
-    def interrupted(self, timeout):
-        monkeypatch.setattr(Template, "_receive", receive)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(Template, "_receive", interrupted)
+    interrupt_a_fork_reply(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         runner_for(Echo, world_size=2).start()
     with runner_for(Echo, world_size=2) as runner:
         (rank0,) = facts(runner)  # the handle's pid is the rank's own, not the orphan's
         assert Probe(runner).rank_pids[0] == rank0["pid"] and rank0["ppid"] == os.getpid()
         assert runner.generate(5) == 5
-    light = [t for t in Template._kept.values() if "torch.distributed" not in t.process.args]
+    light = [t for t in rank_templates() if "torch.distributed" not in t.process.args]
     deadline = time.monotonic() + 10
     while any(t.orphans for t in light) and time.monotonic() < deadline:
         with runner_for(Echo, world_size=1) as runner:  # each fork reaps what has exited
