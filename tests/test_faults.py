@@ -566,10 +566,6 @@ TERMINAL_APP = textwrap.dedent("""
 """)
 
 
-# alone: under load (side by side with a busy loop on one core) the Ctrl-C was lost, the
-# call ran to its end and no KeyboardInterrupt came (the open bug that issue 29's note
-# records); until it is found, this runs with the machine to itself.
-@pytest.mark.alone
 def test_a_terminal_ctrl_c_reaches_the_caller_but_not_the_ranks(tmp_path):
     """Ctrl-C in a real terminal signals its foreground process group: the caller's. The
     ranks run in process groups of their own, so they neither see it nor stop the step."""
@@ -617,6 +613,19 @@ def test_a_terminal_ctrl_c_reaches_the_caller_but_not_the_ranks(tmp_path):
     assert "interrupted" in text and "next after" in text, text
     assert "got SIGINT" not in text, text
     assert ended == pid and os.waitstatus_to_exitcode(status) == 0, text
+
+
+def test_the_ctrl_c_tests_take_sigint_when_started_with_it_ignored():
+    """A test run started in the background by a non-interactive shell inherits SIGINT
+    ignored (Python then installs no KeyboardInterrupt handler): conftest takes SIGINT
+    back, so the Ctrl-C tests test the application that takes it, wherever they run."""
+    tests = ["tests/test_faults.py::test_a_terminal_ctrl_c_reaches_the_caller_but_not_the_ranks",
+             "tests/test_stream.py::test_ctrl_c_during_a_stream_keeps_the_runner_usable"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        cwd=REPO, capture_output=True, text=True, timeout=100,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout + done.stderr
 
 
 def test_the_next_call_never_receives_the_interrupted_calls_result():

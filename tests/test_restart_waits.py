@@ -186,10 +186,6 @@ def interrupt_in_reload(tmp_path) -> threading.Thread:
 POINTS = ["replace", "ping", "reload", "log record"]
 
 
-# alone, as the other Ctrl-C tests (tests/test_faults.py says why): side by side with a
-# busy loop on one core, in 2 of 3 runs every cell of one worker saw its SIGINT raise no
-# KeyboardInterrupt (an open bug: the signal's handler and mask were Python's own).
-@pytest.mark.alone
 @pytest.mark.parametrize("then", ["restart", "shutdown"])
 @pytest.mark.parametrize("point", POINTS)
 def test_an_interrupt_anywhere_in_restart_leaves_a_runner_that_restarts_and_shuts_down(

@@ -211,7 +211,6 @@ def test_a_call_from_another_thread_runs_while_a_stream_is_open(counts):
     assert list(stream) == [{"i": 0, "rank": 0}, {"i": 1, "rank": 0}]
 
 
-@pytest.mark.alone  # a Ctrl-C lost under load, as in test_faults' terminal test (says why)
 def test_ctrl_c_during_a_stream_keeps_the_runner_usable(runner_for):
     with runner_for(Slow) as runner:
         # The first item comes 1.5 s after the ranks begin: the Ctrl-C at 0.2 s lands
