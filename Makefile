@@ -15,7 +15,7 @@ RAY_SPEC ?= ray==2.60.0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER = 0
 export RAY_USAGE_STATS_ENABLED = 0
 
-.PHONY: venv venv-ray venv-models docs docs-check docs-serve test test-slow prometheus metrics-dashboard stress chaos demo bench bench-quick bench-per-call bench-pipelined bench-recovery bench-sessions gpu-check lint clean
+.PHONY: venv venv-ray venv-models docs docs-check chromium docs-serve test test-slow prometheus metrics-dashboard stress chaos demo bench bench-quick bench-per-call bench-pipelined bench-recovery bench-sessions gpu-check lint clean
 
 venv: $(VENV)/.installed
 
@@ -144,10 +144,12 @@ docs: $(DOCS_STAMP)
 # screenshot of each into out/docs-screenshots/, and a failure for a page wider than the
 # window or a code block or table that hides part of its content.  Installs Chromium
 # (Debian's package) on first use.
-docs-check: docs
+docs-check: docs chromium
+	$(PY) tests/docs_layout.py site out/docs-screenshots
+
+chromium:
 	@command -v chromium >/dev/null || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
-	$(PY) tests/docs_layout.py site out/docs-screenshots
 
 # The site while you edit it, on 127.0.0.1 only.
 docs-serve: $(DOCS_STAMP)
