@@ -25,6 +25,7 @@ import builtins
 import pathlib
 import re
 import textwrap
+import warnings
 
 import pytest
 
@@ -222,7 +223,9 @@ class Seams(ast.NodeVisitor):
         if paths:
             return  # named once is enough
         try:
-            code = ast.parse(textwrap.dedent(node.value))
+            with warnings.catch_warnings():  # a string that is not code (a regex, say)
+                warnings.simplefilter("ignore", (DeprecationWarning, SyntaxWarning))
+                code = ast.parse(textwrap.dedent(node.value))
         except (SyntaxError, ValueError):
             return  # not code
         self.found += [(node.lineno + line - 1, f"{what} (in code kept in a string)")
