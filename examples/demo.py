@@ -152,11 +152,16 @@ def run(args: argparse.Namespace, gif: GifWriter, kill_at: int | None = None,
                 dt = time.perf_counter() - t
                 if killed is not None:
                     restart = app.runner.stats()
-                    print(f"  step {step:2d}  the rest of the step arrived "
-                          f"{time.perf_counter() - killed:.2f} s after the kill "
-                          f"(restarts {restart.restarts}, calls sent again {restart.retried}, "
-                          f"re-run from the snapshot {restart.replayed}, pid of rank 1 now "
-                          f"{app.runner.ranks[1].pid})")
+                    if restart.restarts:
+                        print(f"  step {step:2d}  the rest of the step arrived "
+                              f"{time.perf_counter() - killed:.2f} s after the kill "
+                              f"(restarts {restart.restarts}, calls sent again "
+                              f"{restart.retried}, re-run from the snapshot {restart.replayed}, "
+                              f"pid of rank 1 now {app.runner.ranks[1].pid})")
+                    else:  # on a loaded machine the ranks can finish the step (and the one
+                        # sent ahead) between its first group and the kill
+                        print(f"  step {step:2d}  the step ended before rank 1 died: the next "
+                              f"call meets the fault")
                 if first is None:
                     assert app.last_outcome and isinstance(app.last_outcome.error, RolloutExhausted)
                     print(f"  step {step:2d}  rollout exhausted -> reset() in {dt * 1e3:.1f} ms")
