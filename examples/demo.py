@@ -152,14 +152,17 @@ def run(args: argparse.Namespace, gif: GifWriter, kill_at: int | None = None,
                 dt = time.perf_counter() - t
                 if killed is not None:
                     restart = app.runner.stats()
+                    met = "the rest of the step arrived"
+                    if not restart.restarts:  # the ranks had finished the step (a loaded
+                        app.runner.wait_idle(timeout=60)  # machine): the step sent ahead
+                        restart = app.runner.stats()      # meets the fault, if still running
+                        met = "the step ended before rank 1 died; the step sent ahead recovered"
                     if restart.restarts:
-                        print(f"  step {step:2d}  the rest of the step arrived "
-                              f"{time.perf_counter() - killed:.2f} s after the kill "
-                              f"(restarts {restart.restarts}, calls sent again "
+                        print(f"  step {step:2d}  {met} {time.perf_counter() - killed:.2f} s "
+                              f"after the kill (restarts {restart.restarts}, calls sent again "
                               f"{restart.retried}, re-run from the snapshot {restart.replayed}, "
                               f"pid of rank 1 now {app.runner.ranks[1].pid})")
-                    else:  # on a loaded machine the ranks can finish the step (and the one
-                        # sent ahead) between its first group and the kill
+                    else:  # the step sent ahead was done too
                         print(f"  step {step:2d}  the step ended before rank 1 died: the next "
                               f"call meets the fault")
                 if first is None:

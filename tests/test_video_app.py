@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -201,22 +202,69 @@ def test_demo_runs_end_to_end_and_writes_gif_and_sheet(tmp_path, capsys, pipelin
     assert sheet.size == (6 * 56 + 5 * 2, 3 * (32 + 16))
 
 
-def test_demo_fault_kills_rank_1_mid_rollout_and_the_client_sees_the_same_frames(tmp_path,
-                                                                                  capsys):
-    """``make demo DEMO_FLAGS=--fault``: snapshots, the automatic restart and the retried
-    step; every chunk the client received has the checksum of the run without the fault."""
-    argv = ["--world-size", "2", "--device", "cpu", "--out", str(tmp_path), "--fault",
+def demo_fault_argv(out: Path) -> list[str]:
+    """``--fault`` on a small session: 3 steps of 8 frames in 2 groups, rank 1 killed in
+    the last (demo.FAULT_STEP), with a step sent ahead of it."""
+    return ["--world-size", "2", "--device", "cpu", "--out", str(out), "--fault",
             "--frames", "8", "--frames-per-group", "4", "--height", "32", "--width", "56",
             "--steps-per-prompt", "3", "--chunks-per-rollout", "4", "--prompt", "one"]
-    assert demo.main(argv) == 0
+
+
+def recorded_apps(monkeypatch) -> list[VideoApp]:
+    """The demo's apps as it makes them: the run without the fault, then the one with."""
+    apps: list[VideoApp] = []
+    original_init = demo.VideoApp.__init__
+
+    def recorded(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        apps.append(self)
+
+    monkeypatch.setattr(demo.VideoApp, "__init__", recorded)
+    return apps
+
+
+class DemoOs:
+    """``os`` for demo.py, with ``kill`` (its SIGKILL of rank 1) replaced."""
+
+    def __init__(self, kill) -> None:
+        self.kill = kill
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+
+def test_demo_fault_kills_rank_1_mid_rollout_and_the_client_sees_the_same_frames(tmp_path,
+                                                                                  capsys,
+                                                                                  monkeypatch):
+    """``make demo DEMO_FLAGS=--fault``: snapshots, the automatic restart and the retried
+    step; every chunk the client received has the checksum of the run without the fault.
+
+    On a loaded machine the ranks could finish the killed step and the one sent ahead
+    before the kill lands (the next test shows that case): here rank 0 is held (SIGSTOP)
+    from the moment the step after the killed one is sent until rank 1 is killed, so
+    that step cannot end without rank 1, and the fault is always met."""
+    apps = recorded_apps(monkeypatch)
+    original_send_ahead = demo.VideoApp.send_ahead
+    sent_ahead = []
+
+    def held_send_ahead(self):
+        if len(apps) == 2:  # the run with the fault
+            sent_ahead.append(True)
+            if len(sent_ahead) == demo.FAULT_STEP + 1:  # sent as the killed step's first group came
+                os.kill(self.runner.ranks[0].pid, signal.SIGSTOP)
+        original_send_ahead(self)
+
+    def kill_then_release(pid, sig):
+        os.kill(pid, sig)
+        os.kill(apps[-1].runner.ranks[0].pid, signal.SIGCONT)
+
+    monkeypatch.setattr(demo.VideoApp, "send_ahead", held_send_ahead)
+    monkeypatch.setattr(demo, "os", DemoOs(kill_then_release))
+    assert demo.main(demo_fault_argv(tmp_path)) == 0
     printed = capsys.readouterr().out
     assert f"step  {demo.FAULT_STEP}  SIGKILLed rank 1 (pid " in printed
-    # The kill lands while rank 1 works on the step (or the one sent ahead), except on a
-    # loaded machine where the ranks may have finished both first: the next test makes
-    # that case certain and checks it exactly.
-    late = f"step  {demo.FAULT_STEP}  the step ended before rank 1 died: the next call meets"
-    assert ("the rest of the step arrived " in printed
-            and "s after the kill (restarts 1, calls sent again " in printed) != (late in printed)
+    assert "s after the kill (restarts 1, calls sent again " in printed
+    assert "the next call meets the fault" not in printed
     assert printed.count("chunk 2") == 2  # the killed step's chunk, in both runs
     assert ("the frames the client received: identical to the run without the fault "
             "(3 chunks, SHA-256 each)") in printed
@@ -227,29 +275,14 @@ def test_demo_fault_that_lands_after_the_ranks_finished_the_step_is_said_so(
     """The loaded machine's case, made certain: the kill waits until every rank answered
     the step and the one sent ahead (``wait_idle()``), so no call meets the fault before
     the session ends, and the client's frames are those of the run without it."""
-    apps: list[VideoApp] = []
-    original_init = demo.VideoApp.__init__
+    apps = recorded_apps(monkeypatch)
 
-    def recorded(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        apps.append(self)
+    def late_kill(pid, sig):
+        assert apps[-1].runner.wait_idle(timeout=30)
+        os.kill(pid, sig)
 
-    class LateKill:
-        """``os`` for demo.py, whose SIGKILL of rank 1 waits until the ranks are idle."""
-        def __getattr__(self, name):
-            return getattr(os, name)
-
-        @staticmethod
-        def kill(pid, sig):
-            assert apps[-1].runner.wait_idle(timeout=30)
-            os.kill(pid, sig)
-
-    monkeypatch.setattr(demo.VideoApp, "__init__", recorded)
-    monkeypatch.setattr(demo, "os", LateKill())
-    argv = ["--world-size", "2", "--device", "cpu", "--out", str(tmp_path), "--fault",
-            "--frames", "8", "--frames-per-group", "4", "--height", "32", "--width", "56",
-            "--steps-per-prompt", "3", "--chunks-per-rollout", "4", "--prompt", "one"]
-    assert demo.main(argv) == 0
+    monkeypatch.setattr(demo, "os", DemoOs(late_kill))
+    assert demo.main(demo_fault_argv(tmp_path)) == 0
     printed = capsys.readouterr().out
     assert (f"step  {demo.FAULT_STEP}  the step ended before rank 1 died: the next call "
             "meets the fault") in printed
