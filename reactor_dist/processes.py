@@ -45,6 +45,7 @@ from . import stacks, template
 from .errors import RankFailure, RankInfo
 from .output import RankOutput
 from .protocol import GROUP_ABORT_SIGNAL, MARK_ENV, Bootstrap, torchrun_env
+from .rank_env import RANK_ENV_DEFAULTS
 
 if TYPE_CHECKING:
     from .bus import Bus
@@ -195,7 +196,7 @@ class RankProcess(Rank):
         torch where ``torch``, the rank forms a torch group), with the torchrun
         environment (``torch_env``, else this machine's) and ``env``; the bootstrap goes to
         its stdin, its lines where ``output`` says (output.OUTPUT_MODES)."""
-        full_env = dict(os.environ)
+        full_env = {**RANK_ENV_DEFAULTS, **os.environ}  # the caller's own value wins
         full_env.update(env)
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         full_env["PYTHONPATH"] = os.pathsep.join(

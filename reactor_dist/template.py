@@ -73,8 +73,9 @@ TORCH = ("torch.distributed",)
 # own, PYTEST_CURRENT_TEST, ...) is only set in the forked rank, whose worker and its
 # imports read it there, as a spawned rank would.
 READ_AT_IMPORT = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_", "BLIS_",
-                  "NUMPY_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_", "NCCL_", "GLOO_", "ZMQ",
-                  "LD_", "MALLOC_", "GLIBC_", "LC_", "LANG", "TZ", "TMPDIR", "HOME", "PATH")
+                  "NUMPY_", "TORCH", "PYTORCH_", "THP_", "CUDA_", "NVIDIA_", "NCCL_", "GLOO_",
+                  "ZMQ", "LD_", "MALLOC_", "GLIBC_", "LC_", "LANG", "TZ", "TMPDIR", "HOME",
+                  "PATH")
 # Set per rank, and read by torch only once the rank forms its group or picks its GPU.
 PER_RANK = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                       "MASTER_PORT", "CUDA_VISIBLE_DEVICES", MARK_ENV})

@@ -1,0 +1,50 @@
+"""Every rank starts with reactor_dist's environment defaults (reactor_dist/rank_env.py)
+unless the caller's environment or the runner's ``env=`` sets the variable; and the
+default takes effect: a fresh 97 MB buffer in a rank faults in huge pages (issue 43)."""
+
+from __future__ import annotations
+
+import pytest
+from rank_env_workers import NBYTES, VARIABLE, AllocationProbe
+
+from benchmarks.cpu_copy_settings import transparent_huge_pages
+from reactor_dist import DistributedRunner
+from reactor_dist.processes import RANK_START_ENV
+from reactor_dist.rank_env import RANK_ENV_DEFAULTS
+
+SMALL_PAGES = NBYTES // 4096  # first-touch faults of the buffer in 4 KiB pages, at least
+# How a rank is started: forked from a template without torch, from one with torch
+# imported (a torch group), or spawned.
+STARTS = {"forked": ("fork", False), "forked with torch": ("fork", True),
+          "spawned": ("spawn", False)}
+
+
+def probe(monkeypatch, start: str, **kw) -> tuple[str | None, int]:
+    how, group = STARTS[start]
+    monkeypatch.setenv(RANK_START_ENV, how)
+    with DistributedRunner(AllocationProbe, world_size=1, device="cpu",
+                           init_process_group=group, **kw) as runner:
+        return runner.generate(None)
+
+
+def test_the_default_is_huge_pages_for_torch_allocations():
+    assert RANK_ENV_DEFAULTS == {VARIABLE: "1"}
+
+
+@pytest.mark.parametrize("start", list(STARTS))
+def test_a_rank_has_the_default_and_its_fresh_buffer_faults_in_huge_pages(monkeypatch, start):
+    monkeypatch.delenv(VARIABLE, raising=False)
+    value, faults = probe(monkeypatch, start)
+    off_value, off_faults = probe(monkeypatch, start, env={VARIABLE: "0"})
+    assert (value, off_value) == ("1", "0")
+    assert off_faults >= SMALL_PAGES  # every 4 KiB page of the buffer, once
+    if transparent_huge_pages() == "never":
+        pytest.skip("the kernel's transparent huge pages are off: no effect to see")
+    assert faults < SMALL_PAGES // 10  # 2 MB pages: ~47, and the 4 KiB pages at the ends
+
+
+@pytest.mark.parametrize("start", ["forked with torch", "spawned"])
+def test_the_callers_environment_and_the_runners_env_win(monkeypatch, start):
+    monkeypatch.setenv(VARIABLE, "0")
+    assert probe(monkeypatch, start)[0] == "0"
+    assert probe(monkeypatch, start, env={VARIABLE: "2"})[0] == "2"
