@@ -57,13 +57,17 @@ class Ledger:
     def __init__(self, directory: str, prefix: str, tag: str, keep_free: int = 2,
                  token: Callable[[], str] = lambda: secrets.token_hex(8),
                  reclaim: Callable[[int], None] | None = None,
-                 before_close: Callable[[Segment], None] = lambda seg: None) -> None:
+                 before_close: Callable[[Segment], None] = lambda seg: None,
+                 warm: Callable[[str], bool] = lambda name: False) -> None:
         self.directory, self.prefix, self.tag, self.keep_free = directory, prefix, tag, keep_free
         self.token = token  # a segment's name: prefix, tag and a random token (not a counter)
         # Asks the other side to give back what it keeps (its idle segments, and ours it
         # still maps) before an allocation is refused; told how many bytes are wanted.
         self.reclaim = reclaim
         self.before_close = before_close  # told before a segment is unmapped (host_pinning)
+        # Whether a segment is worth more than its size (registered with CUDA: its
+        # registration cost milliseconds): taken first, and kept by an idle trim.
+        self.warm = warm
         self.segments: dict[str, Segment] = {}
         self.holders: dict[str, Counter] = {}  # name -> who still holds it; empty = idle
         self.idle: list[str] = []  # oldest first
@@ -106,11 +110,12 @@ class Ledger:
         return seg.name
 
     def _take_idle(self, nbytes: int) -> str | None:
-        """The smallest idle segment that fits, taken off the idle list."""
+        """The smallest idle segment that fits, a warm one first, taken off the idle
+        list."""
         fits = [n for n in self.idle if self.segments[n].size >= nbytes]
         if not fits:
             return None
-        name = min(fits, key=lambda n: self.segments[n].size)
+        name = min(fits, key=lambda n: (not self.warm(n), self.segments[n].size))
         self.idle.remove(name)
         return name
 
@@ -123,18 +128,33 @@ class Ledger:
         self._retire(keep=0)
         return capacity(self.directory)[1] >= nbytes
 
-    def has_idle(self) -> bool:
+    def has_idle(self, keep_warm: bool = False) -> bool:
         """Whether an idle segment (or a retirement not yet told) waits: after the
-        releases queued so far are applied."""
+        releases queued so far are applied; with ``keep_warm``, one that
+        ``retire_idle(keep_warm=True)`` would retire."""
         self._apply_releases()
+        if keep_warm:
+            warm = sum(1 for n in self.idle if self.warm(n))
+            return bool(self._retired) or len(self.idle) > min(warm, self.needed())
         return bool(self.idle or self._retired)
 
-    def retire_idle(self) -> list[str]:
-        """Give back every idle segment now (a peer asked, or nobody called for a
-        while); the names retired so far, for the RETIRED field."""
+    def retire_idle(self, keep_warm: bool = False) -> list[str]:
+        """Give back every idle segment now (a peer asked); with ``keep_warm`` (nobody
+        called for a while) all but the warm ones that a steady stream of calls needs
+        (:meth:`needed`); the names retired so far, for the RETIRED field."""
         self._apply_releases()
-        self._retire(keep=0)
+        if keep_warm:
+            warm = [n for n in self.idle if self.warm(n)][-self.needed():]
+            for name in [n for n in self.idle if n not in warm]:
+                self.idle.remove(name)
+                self._close(name)
+        else:
+            self._retire(keep=0)
         return self.take_retired()
+
+    def needed(self) -> int:
+        """How many idle segments a steady stream of calls reuses (see WARM_WINDOW)."""
+        return max(self.keep_free, min(max(self._per_call), WARM_MOST))
 
     def _create(self, size: int, what: str) -> Segment:
         """A new segment under a fresh unpredictable name; a name somebody took first
@@ -217,16 +237,22 @@ class Ledger:
                 del held[holder]
             if not held and name not in self.idle:
                 self.idle.append(name)
-        self._retire(max(self.keep_free, min(max(self._per_call), WARM_MOST)))
+        self._retire(self.needed())
 
     def _retire(self, keep: int) -> None:
+        """Retire idle segments, the oldest cold ones first, until ``keep`` are left."""
         while len(self.idle) > keep:
-            name = self.idle.pop(0)
-            seg = self.segments.pop(name)
-            self.before_close(seg)
-            seg.close(unlink=True)
-            del self.holders[name]
-            self._retired.append(name)
+            name = next((n for n in self.idle if not self.warm(n)), self.idle[0])
+            self.idle.remove(name)
+            self._close(name)
+
+    def _close(self, name: str) -> None:
+        """Unlink and unmap one idle segment (already off the idle list)."""
+        seg = self.segments.pop(name)
+        self.before_close(seg)
+        seg.close(unlink=True)
+        del self.holders[name]
+        self._retired.append(name)
 
 
 class Mapped:
@@ -238,8 +264,10 @@ class Mapped:
     ``close()``; ``accept(name)`` says whether a name may be mapped at all.
     """
 
-    def __init__(self, opener: Callable[[str], Any], accept: Callable[[str], bool]) -> None:
+    def __init__(self, opener: Callable[[str], Any], accept: Callable[[str], bool],
+                 unmapped: Callable[[str], None] = lambda name: None) -> None:
         self._opener, self._accept = opener, accept
+        self._unmapped = unmapped  # told before a mapping is closed (staging's own)
         self.views: dict[str, Any] = {}
         self._released: collections.deque[str] = collections.deque()
         self.live: Counter = Counter()  # name -> arrays handed out and not yet collected
@@ -277,9 +305,10 @@ class Mapped:
         """Drop the mappings nobody views now (idle for a while: a cache, not a hoard;
         the owner's idle segments only free their memory once unmapped here too)."""
         with self._lock:
-            unused = [self.views.pop(name) for name in list(self.views)
+            unused = [(name, self.views.pop(name)) for name in list(self.views)
                       if self.live[name] <= 0]
-        for view in unused:
+        for name, view in unused:
+            self._unmapped(name)
             view.close()
 
     def release(self, names: Iterable[str]) -> None:
@@ -308,6 +337,7 @@ class Mapped:
                 if view is not None and self.live[name] <= 0:
                     self.live.pop(name, None)
             if view is not None:
+                self._unmapped(name)
                 view.close()
 
     def close(self) -> None:

@@ -296,6 +296,9 @@ class WorkerRef:
     main_path: str | None = None    # __main__ run as ``python main_path``
 
 
+PINNED_LIMIT = 2 << 30  # DistributedRunner(pinned_limit=...)'s default: 2 GiB
+
+
 @dataclass(frozen=True)
 class Bootstrap:
     """Everything a rank needs, written to its stdin (length-prefixed pickle): the
@@ -315,6 +318,8 @@ class Bootstrap:
     device: str
     start_timeout: float
     keep_free: int
+    # Bytes of shared memory the rank keeps registered with CUDA at most (host_pinning).
+    pinned_limit: int = PINNED_LIMIT
     sys_path: list[str] = field(default_factory=list)
     # Placed by Ray (reactor_dist.placement): a rank on another node than the runner has
     # no shared memory with it (payloads in-band), meets the group in rank 0's TCPStore

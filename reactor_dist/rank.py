@@ -266,6 +266,7 @@ class RankServer:
         worker.rank, worker.is_spare = rank, False
         if rank == 0:
             worker._reactor_allocate = self.memory.shared_empty
+        worker._reactor_to_device = self.memory.to_device
 
     def start_call(self, header: dict[str, Any], body: list) -> None:
         """Run one CALL, or skip it if a restart dropped it already."""
@@ -366,6 +367,8 @@ class RankServer:
         worker.is_spare = rank is None
         if rank == 0 and self.memory is not None:
             worker._reactor_allocate = self.memory.shared_empty
+        if self.memory is not None:
+            worker._reactor_to_device = self.memory.to_device
         worker._reactor_progress = self.progress.report
         worker.load(**pickle.loads(self.boot.load_kwargs))
         return worker
@@ -436,7 +439,7 @@ class RankServer:
                 descriptors, payload, _ = transfer.encode(
                     result, self.results, "the result of generate() on rank 0",
                     holders=(CALLER,), reuse_segments=True, inline_limit=self.inline_limit,
-                    verb="return", digest=self.digest)
+                    verb="return", digest=self.digest, staging=self.memory.staging())
                 if descriptors:
                     reply[Field.DESCRIPTORS] = descriptors
             except BaseException as exc:
@@ -503,7 +506,7 @@ class RankServer:
             descriptors, payload, _ = transfer.encode(
                 item, self.results, f"item {index} of generate() on rank 0", holders=(CALLER,),
                 reuse_segments=True, inline_limit=self.inline_limit, verb="yield",
-                digest=self.digest)
+                digest=self.digest, staging=self.memory.staging())
         except Exception as exc:  # as for a result: no room, over the bound, no pickle
             return exc
         del item

@@ -36,6 +36,7 @@ from . import shm, wire
 from .host_pinning import HostPinning, cuda_runtime_of
 from .ledger import IDLE_RETURN, Ledger, Mapped
 from .protocol import Bootstrap, Field, Kind, result_tag, segments_of, snapshot_tag
+from .staging import InputStaging, ResultStaging, stage_cpu
 
 log = logging.getLogger("reactor_dist")
 # Who holds a segment of rank 0's result ledger.
@@ -131,16 +132,23 @@ class RankMemory:
                  send: Callable[[dict[str, Any]], None]) -> None:
         self.boot, self.send = boot, send
         self.device = "cpu"  # the rank's, once chosen: a CUDA rank page-locks its results
-        self.pinning = HostPinning(cuda_runtime_of(lambda: self.device))
+        self.pinning = HostPinning(cuda_runtime_of(lambda: self.device), boot.pinned_limit)
         self.results = Ledger(boot.shm_dir, boot.shm_prefix, result_tag(rank),
                               keep_free=boot.keep_free, reclaim=self.starve,
-                              before_close=self.pinning.unpin)
+                              before_close=self.pinning.unpin, warm=self.pinning.is_pinned)
+        # Rank 0's device tensors straight into registered result segments; every rank's
+        # inputs to its GPU from registered mappings (staging.py).
+        cpu_too = stage_cpu()
+        self.result_staging = ResultStaging(self.staged_buffer, cpu_too)
+        self.input_staging = InputStaging(boot.shm_dir, lambda: self.inputs.views,
+                                          self.pinning, lambda: self.device, cpu_too)
         self.snapshot_tag = snapshot_tag(rank)
         self.snapshots = Ledger(boot.shm_dir, boot.shm_prefix, self.snapshot_tag,
                                 keep_free=1)
         prefix = boot.shm_prefix + "."
         self.inputs = Mapped(lambda name: shm.PrivateView(boot.shm_dir, name),
-                             lambda name: "/" not in name and name.startswith(prefix))
+                             lambda name: "/" not in name and name.startswith(prefix),
+                             unmapped=self.input_staging.unmapped)
         self.unchecked: set[str] = set()  # released input views not yet checked for writes
         self.inbox: Inbox | None = None  # set once connected
         self.call_seq = 0  # the call running now (for STARVED)
@@ -201,14 +209,16 @@ class RankMemory:
         self.inbox.wait_for(lambda: self.answered >= self.rounds)
 
     def trim(self) -> None:
-        """Nobody called for IDLE_RETURN seconds: every idle segment goes back."""
-        retired = self.results.retire_idle() + self.snapshots.retire_idle()
+        """Nobody called for IDLE_RETURN seconds: every idle segment goes back, but the
+        registered result segments that a steady stream of calls reuses (their
+        registration cost milliseconds; ``pinned_limit`` bounds them)."""
+        retired = self.results.retire_idle(keep_warm=True) + self.snapshots.retire_idle()
         if retired:
             self.send({Field.KIND: Kind.TRIMMED, Field.SEQ: 0, Field.RETIRED: retired})
 
     def idle_wait_ms(self) -> int:
         """How long the rank's loop waits for a command before trimming (-1: for ever)."""
-        idle = self.results.has_idle() or self.snapshots.has_idle()
+        idle = self.results.has_idle(keep_warm=True) or self.snapshots.has_idle()
         return int(IDLE_RETURN * 1000) if idle else -1
 
     # -- inputs and results ----------------------------------------------------------
@@ -245,7 +255,25 @@ class RankMemory:
         weakref.finalize(base, self.results.release, seg.name, WORKER)
         return base[:nbytes].view(dtype).reshape(shape)
 
+    def staging(self) -> ResultStaging | None:
+        """What stages rank 0's device tensors, where it pays: a CUDA rank whose results
+        travel through shared memory (or the test hook)."""
+        if not self.boot.shared_memory:
+            return None
+        if self.device.startswith("cuda") or self.result_staging.cpu_too:
+            return self.result_staging
+        return None
+
+    def staged_buffer(self, nbytes: int) -> np.ndarray:
+        """A uint8 array over a result segment, registered where it can be: a device
+        tensor's bytes go there (staging.py)."""
+        return self.shared_empty((nbytes,), np.uint8)
+
+    def to_device(self, x: Any, non_blocking: bool = True) -> Any:
+        return self.input_staging.to_device(x, non_blocking)
+
     def close(self) -> None:
+        self.input_staging.close()
         self.inputs.close()
         self.results.close()
         self.snapshots.close()

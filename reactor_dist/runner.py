@@ -33,7 +33,7 @@ from .call_queue import CLOSED, HEALTHY, NEW, CallQueue
 from .errors import RankInfo
 from .observers import Observer, tell
 from .placement import check_ray_options, placement_for
-from .protocol import Method
+from .protocol import PINNED_LIMIT, Method
 from .restarts import Restarts
 from .session import Session
 from .shm import DEFAULT_DIR
@@ -122,6 +122,10 @@ class DistributedRunner:
     :param retry_failed: the calls a fault failed are sent again after the automatic
         restart, and their callers get results (needs ``snapshot_every`` and
         ``max_restarts``).
+    :param pinned_limit: bytes of shared memory each CUDA rank keeps page-locked
+        (``cudaHostRegister``) at most: rank 0's result segments, which its CUDA tensors
+        are copied into at the GPU's speed, and the inputs :meth:`DistributedWorker.to_device`
+        copies from (default 2 GiB; 0: none, every copy through plain memory).
     """
 
     def __init__(self, worker_cls: type, *, world_size: int = 1,
@@ -134,7 +138,7 @@ class DistributedRunner:
                  placement: str = "local", ray_bundle: dict[str, float] | None = None,
                  ray_strategy: str = "PACK", max_in_flight: int = 2, max_restarts: int = 0,
                  restart_window: float = 600.0, spares: int = 0, snapshot_every: int = 0,
-                 retry_failed: bool = False) -> None:
+                 retry_failed: bool = False, pinned_limit: int = PINNED_LIMIT) -> None:
         check_not_rerunning_main()  # a rank re-running a script without its __main__ guard
         self._world_size = check_world_size(world_size)
         check_methods(worker_cls)
@@ -145,6 +149,10 @@ class DistributedRunner:
         check_counts(max_in_flight=max_in_flight, max_restarts=max_restarts, spares=spares,
                      snapshot_every=snapshot_every)
         validation.check_session(snapshot_every, retry_failed, max_restarts, worker_cls)
+        if isinstance(pinned_limit, bool) or not isinstance(pinned_limit, int) \
+                or pinned_limit < 0:
+            raise ValueError(f"pinned_limit must be an int >= 0 (bytes of shared memory a "
+                             f"CUDA rank keeps page-locked; 0: none), got {pinned_limit!r}")
         window = _check_timeout("restart_window", restart_window)
         if window is None:
             raise ValueError("restart_window must be a number of seconds, not None")
@@ -171,7 +179,8 @@ class DistributedRunner:
             init_process_group=bool(init_process_group), device=device,
             placement=where_ranks_run, shm_dir=shm_dir, keep_free=keep_free_segments,
             start_timeout=self.start_timeout, call_timeout=self.call_timeout,
-            shutdown_grace=check_grace(shutdown_grace), spares=spares)
+            shutdown_grace=check_grace(shutdown_grace), spares=spares,
+            pinned_limit=pinned_limit)
         self._timings = Recorder(world_size)
         self._queue = CallQueue(self._supervisor, max_in_flight, self._timings)
         if snapshot_every:

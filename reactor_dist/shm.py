@@ -206,9 +206,12 @@ class PrivateView:
         self.name, self.address = name, addr
         self.buffer = (ctypes.c_uint8 * self.size).from_address(addr)
 
-    def written(self) -> bool:
-        """Whether any page became the rank's own (copy-on-write happened)."""
-        first, count = self.address // PAGE, (self.size + PAGE - 1) // PAGE
+    def written(self, offset: int = 0, nbytes: int | None = None) -> bool:
+        """Whether any page (of the ``nbytes`` from ``offset``; by default all) became
+        the rank's own (copy-on-write happened)."""
+        end = self.size if nbytes is None else offset + nbytes
+        first = (self.address + offset) // PAGE
+        count = (self.address + end + PAGE - 1) // PAGE - first
         try:
             with open("/proc/self/pagemap", "rb", buffering=0) as f:
                 f.seek(first * 8)

@@ -49,6 +49,7 @@ from .progress import Display
 from .protocol import (
     COMMANDS,
     GROUP_ABORT_SIGNAL,
+    PINNED_LIMIT,
     SECRET_SIZE,
     SPARES_SOCKET,
     Bootstrap,
@@ -102,7 +103,7 @@ class Supervisor:
                  init_process_group: bool, device: str, placement: Placement,
                  shm_dir: str, keep_free: int, start_timeout: float | None,
                  shutdown_grace: float, call_timeout: float | None = 30.0,
-                 spares: int = 0) -> None:
+                 spares: int = 0, pinned_limit: int = PINNED_LIMIT) -> None:
         self.world_size = world_size
         self.placement = placement  # where the ranks run (placement.placement_for)
         self.secret = os.urandom(SECRET_SIZE)
@@ -128,6 +129,7 @@ class Supervisor:
         self._worker, self._load_kwargs = worker, pickle.dumps(load_kwargs, protocol=5)
         self._init_process_group, self._device = init_process_group, device
         self._start_timeout, self._keep_free = start_timeout, keep_free
+        self._pinned_limit = pinned_limit
         self._group_timeout = timeouts.for_group(call_timeout)
         self.pings_sent = self.inits_sent = 0  # start-up's commands published (stress.py)
         # Each rank's place: its GPU, as an index among the visible ones (with Ray, its
@@ -377,6 +379,7 @@ class Supervisor:
             worker=self._worker, load_kwargs=self._load_kwargs,
             init_process_group=self._init_process_group, device=self._device,
             start_timeout=timeouts.for_library(self._start_timeout), keep_free=self._keep_free,
+            pinned_limit=self._pinned_limit,
             group_timeout=self._group_timeout,
             sys_path=list(sys.path), device_index=self.place_of[rank],
             log_levels=records.levels())

@@ -16,10 +16,12 @@ Besides what numpy already sends out of band (C- or F-contiguous arrays), the
 pickler sends non-contiguous arrays (as one contiguous copy) and CPU torch
 tensors (as their raw bytes) out of band too, instead of a large in-band pickle.
 
-A tensor (or storage) on any other device (CUDA, MPS, ...) is copied to the CPU first
-(:func:`on_cpu`) and arrives as a CPU tensor: torch's own pickling of it would put the
-whole storage in-band and rebuild it with ``torch.load`` on the receiver's device,
-initialising CUDA in the application (or failing where it has none).
+A tensor (or storage) on any other device (CUDA, MPS, ...) arrives as a CPU tensor:
+torch's own pickling of it would put the whole storage in-band and rebuild it with
+``torch.load`` on the receiver's device, initialising CUDA in the application (or
+failing where it has none).  Rank 0's large CUDA tensors go straight into page-locked
+result segments (``staging``: :mod:`reactor_dist.staging`); any other is copied to the
+CPU first (:func:`on_cpu`).
 """
 
 from __future__ import annotations
@@ -77,9 +79,12 @@ def on_cpu(obj: Any) -> Any:
 class _Pickler(pickle.Pickler):
     # Called with the size of each contiguous copy before it is made: may refuse it.
     admit: Callable[[int], None] = staticmethod(lambda nbytes: None)
+    staging: Any = None  # rank 0's device tensors into result segments (staging.py)
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is np.ndarray:
+            if self.staging is not None:
+                self.staging.look_at(obj)  # .cpu().numpy()? returning the tensor is faster
             if obj.flags.c_contiguous or obj.flags.f_contiguous or obj.dtype.hasobject:
                 return NotImplemented
             self.admit(obj.nbytes)
@@ -100,6 +105,11 @@ class _Pickler(pickle.Pickler):
             return on_cpu(obj).__reduce_ex__(5)  # a subclass, reduced as on the CPU
         if type(obj) is torch.Tensor:
             requires_grad = obj.requires_grad
+            dtype = str(obj.dtype).removeprefix("torch.")
+            if self.staging is not None and self.staging.wants(obj):
+                raw = self.staging.stage(obj)
+                if raw is not None:
+                    return _rebuild_tensor, (raw, dtype, tuple(obj.shape), requires_grad)
             obj = on_cpu(obj)
             if obj.is_sparse or obj.is_quantized or obj.is_nested:
                 return obj.__reduce_ex__(5)
@@ -107,7 +117,6 @@ class _Pickler(pickle.Pickler):
                 self.admit(obj.nbytes)
             flat = obj.detach().contiguous().reshape(-1)
             raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
-            dtype = str(obj.dtype).removeprefix("torch.")
             return _rebuild_tensor, (raw, dtype, tuple(obj.shape), requires_grad)
         return NotImplemented
 
@@ -116,7 +125,9 @@ _SCALARS = frozenset({type(None), bool, int, float, complex, str, bytes})
 
 
 def dumps(obj: Any, admit: Callable[[int], None] | None = None,
-          ) -> tuple[bytes, list[pickle.PickleBuffer]]:
+          staging: Any = None) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """The pickle stream and out-of-band buffers of ``obj``; given ``staging``, the
+    device-to-host copies it queued are done when this returns (or raises)."""
     if type(obj) in _SCALARS:  # the per-call fast path: no buffers, no custom pickler
         return pickle.dumps(obj, protocol=5), []
     buffers: list[pickle.PickleBuffer] = []
@@ -124,7 +135,14 @@ def dumps(obj: Any, admit: Callable[[int], None] | None = None,
     pickler = _Pickler(stream, protocol=5, buffer_callback=buffers.append)
     if admit is not None:
         pickler.admit = admit
-    pickler.dump(obj)
+    if staging is None:
+        pickler.dump(obj)
+        return stream.getvalue(), buffers
+    pickler.staging = staging
+    try:
+        pickler.dump(obj)
+    finally:
+        staging.wait()  # before anybody reads the segments (the digest, the caller)
     return stream.getvalue(), buffers
 
 
@@ -201,16 +219,19 @@ def _unpicklable(what: str, obj: Any, exc: BaseException, verb: str) -> TypeErro
 def encode(obj: Any, ledger: Ledger, what: str, holders: Iterable[Hashable],
            reuse_segments: bool = False, inline_limit: int = INLINE_LIMIT,
            verb: str | None = None, digest: Digest | None = None,
+           staging: Any = None,
            ) -> tuple[list[Descriptor], list, list[str]]:
     """``(descriptors, frames, segment names)`` for one payload.
 
     Raises, before anything was sent, SharedMemoryExhausted (no room), ValueError
     (over the bus's bounds) or whatever pickling raises; given ``verb`` (rank 0's
     results), a pickling failure is one TypeError that says what to send instead.
-    ``holders`` hold every segment the payload lies in; ``digest`` takes in the payload.
+    ``holders`` hold every segment the payload lies in; ``digest`` takes in the payload;
+    ``staging`` (rank 0) puts its large device tensors straight into ``ledger``'s
+    segments (they must be found there: ``reuse_segments``).
     """
     try:
-        stream, buffers = dumps(obj, _room_check(ledger, what, inline_limit))
+        stream, buffers = dumps(obj, _room_check(ledger, what, inline_limit), staging)
     except Exception as exc:
         if verb is None or isinstance(exc, MemoryError):  # MemoryError: no room in shm
             raise

@@ -41,6 +41,7 @@ class DistributedWorker:
     is_spare: bool = False
     _reactor_allocate = None  # set by the rank's serve loop: rank 0's shared-memory allocator
     _reactor_progress = None  # set by the rank's serve loop: sends Kind.PROGRESS
+    _reactor_to_device = None  # set by the rank's serve loop: inputs to the GPU (staging.py)
 
     @property
     def is_leader(self) -> bool:
@@ -77,6 +78,21 @@ class DistributedWorker:
         if allocate is None or self.rank != 0:
             return np.empty(shape, dtype)
         return allocate(shape, dtype)
+
+    def to_device(self, x: Any, non_blocking: bool = True) -> Any:
+        """``x`` (an input's numpy array or CPU tensor) as a tensor on ``self.device``:
+        ``torch.from_numpy(x).to(self.device, non_blocking=non_blocking)``, but at the
+        host-to-device floor where ``x`` arrived through shared memory (copied from a
+        page-locked mapping of it, registered once per segment).  A write of the worker
+        to ``x`` is seen: those bytes are copied the ordinary way.  Outside a rank it
+        is the plain line above."""
+        to_device = self._reactor_to_device
+        if to_device is not None:
+            return to_device(x, non_blocking)
+        import torch
+
+        tensor = x if isinstance(x, torch.Tensor) else torch.from_numpy(x)
+        return tensor.to(self.device, non_blocking=non_blocking)
 
 
 def share_cpu_cores(world_size: int, device: str) -> None:

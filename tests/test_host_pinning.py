@@ -1,7 +1,9 @@
-"""Page-locking rank 0's result segments (host_pinning.py): which segments a rank
-registers with CUDA, the register/unregister pairing over a segment's life in the
-ledger, and the fallback when registering fails. A stand-in ``torch.cuda`` (with its
-``cudart()``) is injected in a subprocess, the way test_timings checks the wait."""
+"""Page-locking shared memory (host_pinning.py): which segments a rank registers with
+CUDA, the register/unregister pairing over a segment's life in the ledger, the fallback
+when registering fails, the limit on registered bytes, warm segments kept and taken
+first, and the read-only registration of an input's mapping (staging.py). A stand-in
+``torch.cuda`` (with its ``cudart()``) is injected in a subprocess, the way test_timings
+checks the wait."""
 
 from __future__ import annotations
 
@@ -70,3 +72,74 @@ def test_only_a_cuda_rank_with_cuda_initialised_registers_each_segment_once():
     assert len(logs) == 1 and logs[0].startswith(
         "LOG WARNING reactor_dist: cudaHostRegister of a 1048576-byte shared-memory "
         "segment failed (cudaError 712)")
+
+
+WARM = """
+import os, sys, tempfile
+import numpy as np
+from reactor_dist.host_pinning import HostPinning
+from reactor_dist.ledger import Ledger
+from reactor_dist.shm import PrivateView, Segment
+from reactor_dist.staging import InputStaging
+
+MiB = 1 << 20
+calls, mapped = [], {}
+
+class Cudart:
+    def cudaHostRegister(self, ptr, size, flags):
+        calls.append(("register", size, flags)); return 0
+    def cudaHostUnregister(self, ptr):
+        calls.append(("unregister", mapped.get(ptr, lambda: "unknown")())); return 0
+
+def still_mapped(seg):
+    mapped[seg.address] = lambda: "mapped" if not seg.mm.closed else "unmapped"
+
+# The limit: registered bytes stay under it; unregistering makes room again.
+pinning = HostPinning(Cudart, limit=3 * MiB)
+d = tempfile.mkdtemp()
+ledger = Ledger(d, "rdwarm", "t-", keep_free=1, before_close=pinning.unpin,
+                warm=pinning.is_pinned)
+small = ledger.acquire(MiB, "small", ["w"])             # 1 MiB, stays plain
+big = ledger.acquire(2 * MiB, "big", ["w"]); print(pinning.pin(big))
+other = ledger.acquire(2 * MiB, "other", ["w"]); print(pinning.pin(other))  # over the limit
+for seg in (small, big, other):
+    still_mapped(seg)
+print(pinning.registered_bytes == 2 * MiB, calls == [("register", 2 * MiB, 1)])
+ledger.release(other.name, "w"); ledger.retire_idle()   # other retired, never registered
+ledger.release(small.name, "w"); ledger.release(big.name, "w")
+# A warm segment is taken before a smaller plain one that fits too.
+print(ledger.acquire(MiB, "again", ["w"]) is big)
+ledger.release(big.name, "w")
+# The idle trim keeps the warm one a steady stream needs, retires the plain one.
+print(ledger.has_idle(keep_warm=True), ledger.retire_idle(keep_warm=True) == [small.name],
+      ledger.has_idle(keep_warm=True), list(ledger.idle) == [big.name])
+# A peer's reclaim retires every idle segment, warm ones too: unregistered while mapped.
+print(ledger.retire_idle() == [big.name], calls[-1] == ("unregister", "mapped"),
+      pinning.registered_bytes)
+ledger.close()
+
+# An input's registered mapping: read-only, registered once, unregistered before unmapping.
+calls.clear()
+seg = Segment.create(d, "rdwarm.in-x", 4 * MiB, "input")
+np.frombuffer(seg.mm, np.uint8)[:] = 7
+view = PrivateView(d, seg.name)
+staging = InputStaging(d, lambda: {seg.name: view}, HostPinning(Cudart), lambda: "cpu",
+                       cpu_too=True)
+x = np.frombuffer(view.buffer, np.uint8)[MiB:3 * MiB]
+for _ in range(2):
+    print(int(staging.to_device(x).sum()) == 7 * 2 * MiB)
+dma = staging.dma[seg.name]
+mapped[dma.address] = lambda: "mapped" if dma.address else "unmapped"
+staging.unmapped(seg.name)
+print(staging.fast, calls == [("register", 4 * MiB, 9), ("unregister", "mapped")])
+view.close(); seg.close(unlink=True); os.rmdir(d)  # empty: everything went
+"""
+
+
+def test_registered_segments_stay_warm_within_the_limit_and_inputs_register_read_only():
+    out = subprocess.run([sys.executable, "-c", WARM], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "True", "False", "True True", "True", "True True False True", "True True 0",
+        "True", "True", "2 True"]
