@@ -69,6 +69,9 @@ class Settings:
     pipeline_steps: int = 120  # timed steps per loop and (C, W)
     pipeline_warmup: int = 5
     pipeline_rounds: int = 4
+    # a fresh 97 MB CPU buffer per call under each allocator setting (cpu_copy_settings)
+    cpu_copy_calls: int = 120  # per setting; half as many in the rank comparison
+    cpu_copy_rounds: int = 6
 
 
 FULL = Settings(quick=False)
@@ -101,4 +104,6 @@ QUICK = Settings(
     pipeline_steps=30,
     pipeline_warmup=2,
     pipeline_rounds=2,
+    cpu_copy_calls=24,
+    cpu_copy_rounds=2,
 )

@@ -14,6 +14,7 @@ from types import ModuleType
 from benchmarks.families import (
     aio_calls,
     broadcast,
+    cpu_copy,
     failure,
     frames,
     metrics_cost,
@@ -33,6 +34,7 @@ FAMILIES: tuple[tuple[str, ModuleType], ...] = (
     ("per-call timings", timings),
     ("metrics cost", metrics_cost),
     ("frames back", frames),
+    ("a fresh CPU buffer per call", cpu_copy),
     ("streaming", streaming),
     ("pipelined steps", pipelined),
     ("input broadcast", broadcast),
