@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -39,6 +40,28 @@ def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def visible_gpus(gpus: Sequence[int]) -> list[int]:
+    """The GPU ids of ``gpus`` once each, in the order first named: what
+    CUDA_VISIBLE_DEVICES lists.  A spare may share a rank's GPU (``gpus=[0, 1, 0]``),
+    but CUDA takes an id named twice for no GPU at all ("0,0" shows none)."""
+    return list(dict.fromkeys(gpus))
+
+
+def cuda_visible_devices(gpus: Sequence[int]) -> str:
+    """CUDA_VISIBLE_DEVICES for ``gpus`` (``gpus=[0, 1, 0]``: "0,1"), the same for
+    every rank and spare; each picks its own GPU in it by index (:func:`gpu_index`)."""
+    return ",".join(str(g) for g in visible_gpus(gpus))
+
+
+def gpu_index(gpus: Sequence[int] | None, place: int) -> int:
+    """The index, among the visible GPUs, of the GPU of ``place`` (``gpus``' entry: a
+    rank's, then a spare's); ``place`` itself where ``gpus`` is not given.
+    ``gpus=[0, 1, 0]``: the spare in place 2 uses index 0, GPU 0, as rank 0 does."""
+    if gpus is None:
+        return place
+    return visible_gpus(gpus).index(gpus[place])
 
 
 def choose_device(requested: str, rank: int, index: int | None = None) -> str:

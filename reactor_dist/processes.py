@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import psutil
 
 from . import stacks, template
+from .device import cuda_visible_devices, gpu_index
 from .errors import RankFailure, RankInfo
 from .output import RankOutput
 from .protocol import GROUP_ABORT_SIGNAL, MARK_ENV, Bootstrap, torchrun_env
@@ -203,8 +204,8 @@ class RankProcess(Rank):
             [package_root] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p])
         full_env.update(torch_env or torchrun_env(rank, world_size, master_port),
                         PYTHONUNBUFFERED="1")
-        if gpus is not None:
-            full_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        if gpus is not None:  # each GPU once: "0,0" would show CUDA none
+            full_env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(gpus)
         prefix = [part.replace("{rank}", str(rank)) for part in launch_prefix]
         cmd = prefix + [sys.executable, *SAFE_PATH]
         return cls(rank, cmd, full_env, os.getcwd(), bootstrap, output, label, fork, torch)
@@ -536,6 +537,17 @@ class Placement(abc.ABC):
         the visible ones; with Ray, its bundle's) that this placement decides."""
         return {}
 
+    def device_index(self, place: int) -> int:
+        """The index among the visible GPUs of the GPU that ``place`` holds (a rank's or
+        a spare's bootstrap ``device_index``): ``place`` itself, unless ``gpus=`` names
+        a GPU twice (LocalPlacement)."""
+        return place
+
+    def gpu_of(self, place: int) -> int:
+        """Which GPU ``place`` holds, to tell places that share one (a spare on a rank's
+        GPU, reactor_dist.spares.match): each its own unless ``gpus=`` says otherwise."""
+        return place
+
     def store_address(self) -> str:
         """Where the group's store is across nodes (rank 0's node, as it is now); ""
         where it is a file in the private directory."""
@@ -590,12 +602,20 @@ class LocalPlacement(Placement):
         for rank in range(self.world_size):
             ranks.add(self._spawn(rank, bootstrap) if rank in replaced else old.procs[rank])
 
+    def device_index(self, place: int) -> int:
+        return gpu_index(self.gpus, place)
+
+    def gpu_of(self, place: int) -> int:
+        return place if self.gpus is None else self.gpus[place]
+
     def start_spare(self, slot: int, place: int, bootstrap: Bootstrap, label: str) -> Rank:
-        # The torchrun environment of its GPU (LOCAL_RANK), with no RANK until it takes
-        # one (the rank's process sets it then); ``{rank}`` of a launch_prefix: its GPU.
-        env = torchrun_env(place, self.world_size, self.master_port)
+        # The torchrun environment of its GPU (LOCAL_RANK: the GPU's index among the
+        # visible ones), with no RANK until it takes one (the rank's process sets it
+        # then); ``{rank}`` of a launch_prefix: that index too.
+        index = self.device_index(place)
+        env = torchrun_env(index, self.world_size, self.master_port)
         env.pop("RANK")
-        return RankProcess.spawn(place, self.world_size, bootstrap.to_bytes(),
+        return RankProcess.spawn(index, self.world_size, bootstrap.to_bytes(),
                                  master_port=self.master_port, env=self.env, gpus=self.gpus,
                                  launch_prefix=self.launch_prefix, output=self.output,
                                  torch_env=env, label=label, fork=self.fork,

@@ -73,8 +73,7 @@ def restart(supervisor: Supervisor, *, rejoin: bool, grace: float, timeout: floa
     kept = responsive(supervisor, alive, min(grace, max(deadline - began, 0.0)), other) \
         if rejoin and alive and dropped else []
     gone = [r for r in range(supervisor.world_size) if r not in kept]
-    spares = supervisor.spares.take(len(gone)) if rejoin else []  # the first ranks get them
-    takers = dict(zip(gone[:len(spares)], spares, strict=True))
+    takers = supervisor.take_spares(gone) if rejoin else {}  # the first ranks get them
     supervisor.replace(gone, takers)
     replaced = [r for r in gone if r not in takers]
     epoch = supervisor.epoch

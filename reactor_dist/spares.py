@@ -68,6 +68,29 @@ class Spare:
         return spare_label(self.slot)
 
 
+def match(gone: list[int], places: list[int], ready: list[Spare],
+          gpu_of: Callable[[int], int]) -> dict[int, Spare]:
+    """Which of the ``ready`` spares takes the place of which ``gone`` rank, the first
+    ranks first (``places``: each rank's place now; ``gpu_of``: the GPU a place holds).
+
+    A spare on a GPU of its own may take any rank's place.  A spare that shares a rank's
+    GPU (``gpus=[0, 1, 0]``) takes only that rank's: NCCL allows one rank per GPU, so
+    it must not become a second rank there, and a rank whose spare is elsewhere starts
+    again in its own place.  A rank takes a spare on its own GPU first, leaving the
+    spares on GPUs of their own for the others."""
+    places, left, takers = list(places), list(ready), {}
+    for rank in gone:
+        own = gpu_of(places[rank])
+        held = {gpu_of(p) for r, p in enumerate(places) if r != rank}
+        fits = [s for s in left if gpu_of(s.place) not in held]
+        fits.sort(key=lambda s: gpu_of(s.place) != own)  # stable: spares' order otherwise
+        if fits:
+            takers[rank] = fits[0]
+            left.remove(fits[0])
+            places[rank] = fits[0].place
+    return takers
+
+
 class Spares:
     """The spares of one runner: started with the ranks, taken by restarts, replaced in
     the background.  ``start_spare(slot, place, label)`` starts one (its placement's): a place is
@@ -130,15 +153,18 @@ class Spares:
             if self.failed is not None:
                 raise self.failed
 
-    def take(self, count: int) -> list[Spare]:
-        """restart(): up to ``count`` ready spares, no longer spares (their thread
-        forgets them; the ranks' death watch takes them on)."""
+    def take(self, gone: list[int], places: list[int],
+             gpu_of: Callable[[int], int]) -> dict[int, Spare]:
+        """restart(): the ready spares that take the places of the ``gone`` ranks (see
+        :func:`match`), no longer spares (their thread forgets them; the ranks' death
+        watch takes them on)."""
         with self.lock:
-            taken = [s for s in self.spares if s.ready and s.proc.alive()][:count]
-            for spare in taken:
+            ready = [s for s in self.spares if s.ready and s.proc.alive()]
+            takers = match(gone, places, ready, gpu_of)
+            for spare in takers.values():
                 self.spares.remove(spare)
-            self.takeovers += len(taken)
-            return taken
+            self.takeovers += len(takers)
+            return takers
 
     def start_later(self, places: list[int]) -> None:
         """After a takeover: a new spare in each place a dead rank left, in the

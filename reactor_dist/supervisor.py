@@ -308,6 +308,11 @@ class Supervisor:
         self.ranks.watch.close()
         self.epoch += 1
 
+    def take_spares(self, gone: list[int]) -> dict[int, Spare]:
+        """restart(): the loaded spares that take the places of the ``gone`` ranks, by
+        rank; a spare that shares a rank's GPU takes only that rank's (spares.match)."""
+        return self.spares.take(gone, self.place_of, self.placement.gpu_of)
+
     def replace(self, ranks: list[int], takers: dict[int, Spare]) -> None:
         """restart(), in a new ``epoch``: ``ranks`` end; each of them that a spare of
         ``takers`` takes has that spare's process from now on (in the spare's place: the
@@ -381,14 +386,15 @@ class Supervisor:
             start_timeout=timeouts.for_library(self._start_timeout), keep_free=self._keep_free,
             pinned_limit=self._pinned_limit,
             group_timeout=self._group_timeout,
-            sys_path=list(sys.path), device_index=self.place_of[rank],
+            sys_path=list(sys.path), device_index=self.placement.device_index(self.place_of[rank]),
             log_levels=records.levels())
 
     def _start_spare(self, slot: int, place: int, label: str) -> Rank:
         """A spare in slot ``slot`` (its name on the bus) in ``place``: the ``place``-th
         GPU, or with Ray the ``place``-th bundle."""
         assert self.ipc_dir is not None
-        fields = {**self._own_fields(0), "rank": slot, "device_index": place, "spare": True,
+        fields = {**self._own_fields(0), "rank": slot,
+                  "device_index": self.placement.device_index(place), "spare": True,
                   "spare_addr": f"ipc://{self.ipc_dir}/{SPARES_SOCKET}",
                   **self.placement.spare_fields(place)}
         return self.placement.start_spare(slot, place, Bootstrap(**fields), label)

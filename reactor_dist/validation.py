@@ -93,7 +93,24 @@ def check_devices(device: Any, gpus: Any, rank_output: Any,
     if len(gpus) < world_size:
         raise ValueError(f"gpus={gpus} names {len(gpus)} GPUs for {world_size} ranks; "
                          f"give one GPU per rank")
+    check_one_rank_per_gpu(gpus, world_size)
     return gpus
+
+
+def check_one_rank_per_gpu(gpus: list[int], world_size: int) -> None:
+    """Two ranks on one GPU cannot form an NCCL group (and CUDA takes a GPU id named twice
+    in CUDA_VISIBLE_DEVICES for none at all); a spare, after the ranks, may share a
+    rank's GPU (reactor_dist.spares: it then takes only that rank's place)."""
+    ranks = gpus[:world_size]
+    for rank, gpu in enumerate(ranks):
+        first = ranks.index(gpu)
+        if first != rank:
+            raise ValueError(
+                f"gpus={gpus} puts ranks {first} and {rank} on GPU {gpu}, but NCCL allows "
+                f"one rank per GPU: give each of the {world_size} ranks a GPU of its own "
+                f"(the first {world_size} entries of gpus distinct), or lower world_size; "
+                f"a spare, named after the ranks, may share a rank's GPU (gpus=[0, 1, 0] "
+                f"with world_size=2, spares=1: the spare waits on GPU 0)")
 
 
 def check_placed_options(placed: bool, gpus: Any, rank_output: str) -> None:

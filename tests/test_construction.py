@@ -141,3 +141,22 @@ def test_the_runner_docstring_describes_every_constructor_option_in_order():
 
     options = list(inspect.signature(DistributedRunner.__init__).parameters)[1:]
     assert re.findall(r":param (\w+):", DistributedRunner.__doc__ or "") == options
+
+
+def test_two_ranks_on_one_gpu_are_refused_and_a_spare_may_share_a_ranks_gpu():
+    """NCCL allows one rank per GPU: gpus naming one twice among the ranks' entries is
+    refused here, not as start()'s "torch sees no CUDA device"; a spare's entry may
+    repeat a rank's (issue 43, item 6)."""
+    with pytest.raises(ValueError) as refused:
+        DistributedRunner(Echo, world_size=2, gpus=[0, 0])
+    assert str(refused.value) == (
+        "gpus=[0, 0] puts ranks 0 and 1 on GPU 0, but NCCL allows one rank per GPU: give "
+        "each of the 2 ranks a GPU of its own (the first 2 entries of gpus distinct), or "
+        "lower world_size; a spare, named after the ranks, may share a rank's GPU "
+        "(gpus=[0, 1, 0] with world_size=2, spares=1: the spare waits on GPU 0)")
+    with pytest.raises(ValueError, match=r"^gpus=\[3, 5, 5\] puts ranks 1 and 2 on GPU 5, "):
+        DistributedRunner(Echo, world_size=3, gpus=[3, 5, 5])
+    from restart_workers import ReducesAndRejoins
+    runner = DistributedRunner(ReducesAndRejoins, world_size=2, spares=1, gpus=[0, 1, 0])
+    assert runner.world_size == 2
+    assert no_children()

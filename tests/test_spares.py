@@ -20,6 +20,7 @@ from test_restart import lines, make_runner
 from test_survivors_kept import reduced
 
 from reactor_dist import DistributedRunner, WorkerCrashed, metrics
+from reactor_dist.processes import RANK_START_ENV
 
 WAIT = 60.0  # for a spare started in the background to load (two cores, torch imports)
 
@@ -183,3 +184,73 @@ def test_a_spares_load_that_raises_fails_start_with_its_exception(tmp_path):
         runner.start()
     assert "[spare 2] remote traceback" in str(info.value.__cause__)
     assert runner.closed
+
+
+def test_a_spare_on_a_ranks_gpu_takes_that_ranks_place_alone():
+    """spares.match, the rule that picks the spare for each gone rank: a spare on a GPU
+    of its own takes any place; one that shares a rank's GPU takes only that rank's
+    (NCCL: one rank per GPU), and a rank takes a spare on its own GPU first."""
+    from reactor_dist.spares import Spare, match
+
+    def spares(*places):
+        return [Spare(slot, place, None) for slot, place in enumerate(places, start=10)]
+
+    gpus = [0, 1, 0]  # world_size 2; the spare (place 2) on GPU 0, rank 0's
+    [on_0] = spares(2)
+    assert match([1], [0, 1], [on_0], gpus.__getitem__) == {}
+    assert match([0], [0, 1], [on_0], gpus.__getitem__) == {0: on_0}
+    assert match([0, 1], [0, 1], [on_0], gpus.__getitem__) == {0: on_0}
+    gpus = [0, 1, 2, 0]  # a spare on GPU 2 (its own) and one on GPU 0
+    own, shared = spares(2, 3)
+    assert match([1], [0, 1], [own, shared], gpus.__getitem__) == {1: own}
+    assert match([0], [0, 1], [own, shared], gpus.__getitem__) == {0: shared}
+    assert match([0, 1], [0, 1], [own, shared], gpus.__getitem__) == {0: shared, 1: own}
+    assert match([1], [0, 1], [shared], gpus.__getitem__) == {}
+    # Once rank 0 moved to GPU 2, GPU 0 holds no rank: its spare may take rank 1's place.
+    assert match([1], [2, 1], [shared], gpus.__getitem__) == {1: shared}
+    # Without gpus= each place is a GPU of its own: the first ranks get the spares.
+    a, b = spares(3, 4)
+    assert match([0, 2], [0, 1, 2], [a, b], lambda p: p) == {0: a, 2: b}
+    assert match([0, 1, 2], [0, 1, 2], [a], lambda p: p) == {0: a}
+
+
+def test_a_spare_sharing_rank_0s_gpu_waits_for_rank_0_alone(tmp_path, monkeypatch):
+    """gpus=[0, 1, 0] on the CPU: every process is given CUDA_VISIBLE_DEVICES="0,1" (no
+    GPU id twice) and the spare GPU index 0 (LOCAL_RANK), rank 0's; rank 1 SIGKILLed:
+    rank 1 loads again in its place and the spare stays a spare; rank 0 SIGKILLed: the
+    spare takes its place, and its successor waits on GPU 0 again.  The processes are
+    spawned, not forked, so that /proc shows the environment each was given."""
+    monkeypatch.setenv(RANK_START_ENV, "spawn")
+    runner = make_runner(2, SpareAware, spares=1, gpus=[0, 1, 0],
+                         load_kwargs={"state_dir": str(tmp_path)})
+    with runner:
+        pids = [pid for pid, _, _ in runner.generate(Pid())]
+        assert runner.spares_ready == 1
+        [spare] = spare_pids(tmp_path)
+        for pid in [*pids, spare]:
+            assert psutil.Process(pid).environ()["CUDA_VISIBLE_DEVICES"] == "0,1"
+        assert [r for r in seen(tmp_path) if r[1] == spare] == \
+            [["load", spare, None, True, False, False, None, "0"]]
+        os.kill(pids[1], signal.SIGKILL)
+        assert wait_gone([pids[1]]) == []
+        runner.restart()
+        after = runner.generate(Pid())
+        assert after[0] == (pids[0], 1, 1) and after[1][1:] == (1, 0)
+        assert after[1][0] not in (pids[1], spare)  # a new process loaded as rank 1
+        assert runner.spare_takeovers == 0 and runner.spares_ready == 1
+        assert spare_pids(tmp_path) == [spare] and psutil.Process(spare).is_running()
+        assert runner.generate(2.0) == reduced(2, 2.0)
+        os.kill(pids[0], signal.SIGKILL)
+        assert wait_gone([pids[0]]) == []
+        runner.restart()
+        again = runner.generate(Pid())
+        assert again == [(spare, 1, 1), (after[1][0], 1, 1)]
+        assert runner.spare_takeovers == 1 and runner.ranks[0].pid == spare
+        assert [r for r in seen(tmp_path) if r[1] == spare][-1] == \
+            ["rejoin", spare, 0, False, True, True, "0", "0"]
+        assert runner.generate(1.0) == reduced(2, 1.0)
+        assert wait_for(lambda: runner.spares_ready == 1)
+        [successor] = [p for p in spare_pids(tmp_path) if p != spare]
+        assert [r[-1] for r in seen(tmp_path) if r[1] == successor] == ["0"]
+        assert psutil.Process(successor).environ()["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert wait_gone([*pids, after[1][0], spare, successor]) == []
