@@ -10,9 +10,10 @@ from __future__ import annotations
 import psutil
 import zmq
 
-from reactor_dist import DistributedRunner
+from reactor_dist import DistributedRunner, DistributedWorker
 from reactor_dist.bus import Bus
 from reactor_dist.protocol import MARK_ENV, TEMPLATE_NAME
+from reactor_dist.rank_memory import RankMemory
 from reactor_dist.template import Template
 
 
@@ -32,6 +33,13 @@ def marked_by(runner_pid: int) -> list[psutil.Process]:
         except psutil.Error:
             pass
     return found
+
+
+def rank_memory_of(worker: DistributedWorker) -> RankMemory:
+    """Inside a rank: the rank's shared memory (reactor_dist.rank_memory), whose staging
+    counters (``result_staging.staged``, ``input_staging.fast``) say which path a tensor
+    or an input took."""
+    return worker._reactor_to_device.__self__
 
 
 class Probe:

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from probe import rank_memory_of
 
 from reactor_dist import DistributedWorker
 
@@ -63,7 +64,7 @@ class Staged(DistributedWorker):
         if how == "stream":
             return (t for t in tensors)
         if how == "staged":  # how many tensors rank 0 staged so far
-            return self._reactor_to_device.__self__.result_staging.staged
+            return rank_memory_of(self).result_staging.staged
         raise ValueError(how)
 
     def reset(self) -> None:
@@ -83,7 +84,7 @@ class Inputs(DistributedWorker):
         if write is not None:
             x.reshape(-1)[:len(write)] = write
         copied = self.to_device(x)
-        memory = self._reactor_to_device.__self__
+        memory = rank_memory_of(self)
         return np.array(copied.numpy()), memory.input_staging.fast, self.rank
 
     def reset(self) -> None:
