@@ -50,3 +50,32 @@ class OnGpu(DistributedWorker):
                 torch.cuda._sleep(self.spin)
             return float(self.ones.sum().item()) if self.rank == 0 else None
         raise ValueError(f"unknown check {what!r}")
+
+
+class WeightsOnGpu(DistributedWorker):
+    """A model of one CUDA tensor of weights, loaded once per process (a spare too) and
+    kept through ``rejoin()``.  ``generate("where")``: (pid, device, the current CUDA
+    device, CUDA_VISIBLE_DEVICES, loads, rejoins); ``generate(x)``: the weights' sum
+    times ``x``, computed on the GPU (exact in float32 for small ``x``)."""
+
+    def load(self) -> None:
+        import torch
+
+        self.weights = torch.arange(1024, device=self.device, dtype=torch.float32)
+        self.loads, self.rejoins = 1, 0
+
+    def rejoin(self) -> None:
+        self.rejoins += 1
+
+    def generate(self, x, /):
+        import os
+
+        import torch
+
+        if x == "where":
+            return (os.getpid(), self.device, torch.cuda.current_device(),
+                    os.environ.get("CUDA_VISIBLE_DEVICES"), self.loads, self.rejoins)
+        return float((self.weights * x).sum().item())
+
+    def reset(self) -> None:
+        pass

@@ -232,3 +232,24 @@ def test_a_spare_on_the_third_gpu_takes_rank_1s_place_over_nccl(tmp_path):
         assert after[0] == (pids[0], 1, 1) and after[1][1:] == (1, 1)
         assert after[1][0] not in pids
         assert r.devices == ("cuda:0", "cuda:2") and r.spare_takeovers == 1
+
+
+def test_a_spare_sharing_the_ranks_gpu_takes_its_place(tmp_path):
+    """gpus=[0, 0], world_size 1, spares=1: the rank and the spare each hold the model on
+    GPU 0 (CUDA_VISIBLE_DEVICES="0", index 0 for both: "0,0" would show CUDA no GPU);
+    the rank SIGKILLed, the spare takes its place with no load() and answers exactly."""
+    from gpu_workers import WeightsOnGpu
+
+    with DistributedRunner(WeightsOnGpu, world_size=1, spares=1, gpus=[0, 0], device="cuda",
+                           call_timeout=120.0, start_timeout=300.0,
+                           shutdown_grace=5.0) as r:
+        pid, device, current, visible, loads, rejoins = r.generate("where")
+        assert (device, current, visible, loads, rejoins) == ("cuda:0", 0, "0", 1, 0)
+        assert r.spares_ready == 1 and r.generate(2.0) == 1047552.0
+        os.kill(pid, 9)
+        r.restart()
+        spare, device, current, visible, loads, rejoins = r.generate("where")
+        assert spare != pid and r.spare_takeovers == 1
+        assert (device, current, visible, loads, rejoins) == ("cuda:0", 0, "0", 1, 1)
+        assert r.devices == ("cuda:0",)
+        assert r.generate(2.0) == 1047552.0 and r.generate(0.5) == 261888.0
