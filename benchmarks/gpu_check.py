@@ -5,21 +5,26 @@ with a timeout (all of them within ``BUDGET_S``):
 
 1. the GPU-marked tests (tests/test_gpu.py) at world_size N with the group: NCCL bound
    and formed in ``start()``, an ``all_gather`` on CUDA and on CPU tensors,
-   ``shared_empty`` filled from the device (and page-locked), a CUDA tensor returned by
-   rank 0, timings with a deliberately slow rank, ``reactor-dist doctor --device cuda``,
-   and the third-party parallel models (transformers' tensor-parallel Llama, diffusers'
-   context-parallel Wan) on NCCL against the CPU (world_size 2, or 1 on one GPU);
+   ``shared_empty`` filled from the device (and page-locked), CUDA tensors of every kind
+   returned and streamed by rank 0, the input path (``to_device``), timings with a
+   deliberately slow rank, ``reactor-dist doctor --device cuda``, and the third-party
+   parallel models (transformers' tensor-parallel Llama, diffusers' context-parallel
+   Wan) on NCCL against the CPU (world_size 2, or 1 on one GPU);
 2. the Quickstart (docs/index.md, the README's too) as printed (world_size 2: skipped on one GPU);
 3. the demo with ``--device cuda``;
-4. the frame timings (``--frames``): 97 MB of frames on the GPU returned as
-   ``.cpu().numpy()`` and through ``shared_empty``, and device-to-host copies into pinned
-   memory (the floor), into plain and into registered shared memory.
+4. the frame timings (``--frames``): every row of issue 43 with its floor, measured in
+   the same run (benchmarks/gpu_frames.py: ``ROWS``); a row above its goal fails.
 
-Then it prints one table and exits non-zero if a step failed.  Without CUDA in torch: an
-NVIDIA driver on the machine (``/proc/driver/nvidia/version`` or ``nvidia-smi`` on PATH)
-is an error saying how to install a CUDA build; without a driver either, it prints
-"no GPU: nothing to check" and exits 0.  Test hook: ``REACTOR_DIST_NVIDIA_PROBE`` names
-the file whose existence means "a driver is here", instead of both probes.
+Then it prints one table and exits non-zero if a step or a row failed.  Without CUDA in
+torch: an NVIDIA driver on the machine (``/proc/driver/nvidia/version`` or
+``nvidia-smi`` on PATH) is an error saying how to install a CUDA build; without a driver
+either, it prints "no GPU: nothing to check" and exits 0.
+
+``--current-env`` (``make gpu-check-here``): in the interpreter it runs in, installing
+nothing (GPU machines are often offline containers with torch, transformers and
+diffusers already there); it first names each package of :data:`PACKAGES` that is
+missing and what its absence skips.  Test hook: ``REACTOR_DIST_NVIDIA_PROBE`` names the
+file whose existence means "a driver is here", instead of both probes.
 """
 
 from __future__ import annotations
@@ -34,18 +39,65 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-
 PROBE_ENV = "REACTOR_DIST_NVIDIA_PROBE"
 DRIVER_FILE = "/proc/driver/nvidia/version"
 WORLD_SIZE_ENV = "REACTOR_DIST_GPU_WORLD_SIZE"  # read by tests/test_gpu.py
 MOST_GPUS = 8
 BUDGET_S = 450  # every step together: under 8 minutes with the start-up around them
-SHAPE = (81, 480, 832, 3)  # 97 MB of uint8 RGB frames
-NBYTES = int(np.prod(SHAPE))
+TRIALS = 20  # timed calls per frame row, after WARM untimed ones
+WARM = 3
 INSTALL = ('make clean && make gpu-check TORCH_SPEC="torch==2.13.0 --index-url '
            'https://download.pytorch.org/whl/cu128" (a CUDA build matching your driver; '
            "plain torch==2.13.0 from PyPI is the CUDA build on Linux x86-64)")
+
+
+# What the check imports, by distribution name: (its import name, what lacking it skips).
+# reactor_dist's own dependencies and torch it cannot do without.
+PACKAGES: dict[str, tuple[str, str]] = {
+    "pyzmq": ("zmq", "everything (reactor_dist needs it)"),
+    "msgpack": ("msgpack", "everything (reactor_dist needs it)"),
+    "numpy": ("numpy", "everything (reactor_dist needs it)"),
+    "psutil": ("psutil", "everything (reactor_dist needs it)"),
+    "torch": ("torch", "everything (there is no GPU to check without it)"),
+    "pytest": ("pytest", "the GPU-marked tests and the Quickstart step"),
+    "pillow": ("PIL", "the demo step"),
+    "transformers": ("transformers", "the tensor-parallel Llama test and the "
+                     "context-parallel Wan test (diffusers' Wan imports transformers)"),
+    "diffusers": ("diffusers", "the context-parallel Wan test"),
+}
+NEEDED = ("pyzmq", "msgpack", "numpy", "psutil", "torch")
+
+
+def importable(module: str) -> bool:
+    """Whether ``module`` can be imported here, without importing it (a module set to
+    None in sys.modules, as a test hides one, is not)."""
+    import importlib.util
+
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def missing_packages(packages: dict[str, tuple[str, str]] = PACKAGES) -> list[str]:
+    """The distributions of ``packages`` that this interpreter cannot import, in order."""
+    return [name for name, (module, _) in packages.items() if not importable(module)]
+
+
+def environment_report(missing: list[str],
+                       packages: dict[str, tuple[str, str]] = PACKAGES) -> str:
+    """What ``--current-env`` prints before it runs: the interpreter, and each missing
+    package with what its absence skips."""
+    version = ".".join(str(v) for v in sys.version_info[:3])
+    lines = [f"gpu-check in the current environment: {sys.executable} (Python {version}), "
+             "installing nothing"]
+    if not missing:
+        lines.append("every package it uses is here: " + ", ".join(packages))
+    for name in missing:
+        lines.append(f"missing: {name} (skips {packages[name][1]})")
+    return "\n".join(lines)
 
 
 def nvidia_driver() -> str | None:
@@ -95,39 +147,49 @@ def tail(path: str, lines: int = 25) -> str:
         return "".join(f.readlines()[-lines:])
 
 
-def check(n: int) -> int:
+def check(n: int, missing: list[str] = ()) -> int:
+    """Every step at world_size ``n``; a step that needs a package of ``missing`` is
+    skipped and says so."""
     py, deadline = sys.executable, time.perf_counter() + BUDGET_S
     env = {**os.environ, WORLD_SIZE_ENV: str(n)}
     demo_ranks = max(d for d in (1, 2, 4, 8) if d <= n)  # a divisor of its 16 frames
     work = tempfile.mkdtemp(prefix="gpu-check-")
+    frames = os.path.join(work, "frames.json")
+    no_pytest = "skipped (pytest is missing)" if "pytest" in missing else ""
     steps = [
-        (f"GPU-marked tests, world_size {n}", [py, "-m", "pytest", "-q", "-m", "gpu",
-                                               "tests/test_gpu.py"], 270),
-        ("Quickstart as printed", [py, "-m", "pytest", "-q",
-                                   "tests/test_docs_examples.py::test_quickstart_runs_as_printed"]
-         if n >= 2 else None, 60),
+        (f"GPU-marked tests, world_size {n}", no_pytest,
+         [py, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py"], 270),
+        ("Quickstart as printed",
+         no_pytest or ("" if n >= 2 else "skipped (needs 2 GPUs: world_size=2 as printed)"),
+         [py, "-m", "pytest", "-q",
+          "tests/test_docs_examples.py::test_quickstart_runs_as_printed"], 60),
         (f"demo --device cuda, world_size {demo_ranks}",
+         "skipped (pillow is missing)" if "pillow" in missing else "",
          [py, "examples/demo.py", "--device", "cuda", "--world-size", str(demo_ranks),
           "--out", os.path.join(work, "demo")], 60),
-        ("frame timings", [py, "-m", "benchmarks.gpu_check", "--frames",
-                           os.path.join(work, "frames.json")], 60),
+        ("frame timings", "", [py, "-m", "benchmarks.gpu_check", "--frames", frames], 150),
     ]
     rows, failed = [], []
-    for name, cmd, limit in steps:
-        if cmd is None:
-            rows.append((name, "skipped (needs 2 GPUs: world_size=2 as printed)", ""))
+    for name, skipped, cmd, limit in steps:
+        if skipped:
+            rows.append((name, skipped, ""))
             continue
         log = os.path.join(work, f"step{len(rows)}.log")
         outcome, took = run_step(cmd, min(limit, deadline - time.perf_counter()), env, log)
         rows.append((name, outcome, f"{took:.1f} s"))
         if outcome != "ok":
             failed.append((name, log))
-    frames = os.path.join(work, "frames.json")
     if os.path.exists(frames):
+        from benchmarks.gpu_frames import frame_rows
+
         with open(frames) as f:
-            rows += [(f"  {name}", text, "") for name, text in json.load(f)]
+            for label, text, over in frame_rows(json.load(f)):
+                rows.append((f"  {label}", text, ""))
+                if over:
+                    failed.append((label, None))
     for name, log in failed:
-        print(f"\n--- {name}: last lines of {log}\n{tail(log)}")
+        if log is not None:
+            print(f"\n--- {name}: last lines of {log}\n{tail(log)}")
     import torch
 
     print(f"\n{n} x {torch.cuda.get_device_name(0)}, torch {torch.__version__} "
@@ -140,61 +202,136 @@ def check(n: int) -> int:
 
 
 # -- the frame timings (a step of its own) ------------------------------------------------
-def timed(fn, trials: int) -> tuple[float, float]:
+def timed(fn, trials: int = TRIALS) -> dict[str, float]:
+    """The median and p90 seconds of ``trials`` calls of ``fn`` (each result dropped
+    before the next call: pools reuse what the caller let go)."""
     times = []
     for _ in range(trials):
         start = time.perf_counter()
         result = fn()
         times.append(time.perf_counter() - start)
         del result
-    times.sort()
-    return statistics.median(times), times[int(len(times) * 0.9)]
+    return summary(times)
 
 
-def described(times: tuple[float, float], nbytes: int = 0) -> str:
-    median, p90 = times
-    rate = f", {nbytes / median / 1e9:.1f} GB/s" if nbytes else ""
-    return f"median {median * 1e3:.2f} ms, p90 {p90 * 1e3:.2f} ms{rate}"
+def summary(times: list[float]) -> dict[str, float]:
+    times = sorted(times)
+    return {"median": statistics.median(times), "p90": times[int(len(times) * 0.9)]}
+
+
+def attempt(timings: dict[str, dict], keys: tuple[str, ...], measure) -> None:
+    """``timings.update(measure())``; an error becomes each of ``keys``' row, so that the
+    other rows are still measured."""
+    try:
+        timings.update(measure())
+    except Exception as e:  # reported in the table: the row with a goal then fails
+        for key in keys:
+            timings[key] = {"error": f"{type(e).__name__}: {e}"[:160]}
+
+
+def returned(runner, trials: int = TRIALS) -> dict[str, dict]:
+    """Rank 0's results of every kind (benchmarks/gpu_frames.py), the first call of the
+    bare tensor on its own (what registering its segment costs), then the steady state
+    (``trials`` calls each)."""
+    import numpy as np
+
+    from benchmarks.gpu_frames import SHAPE
+
+    out: dict[str, dict] = {}
+    start = time.perf_counter()
+    first = runner.generate("tensor")
+    out["tensor_first"] = {"median": time.perf_counter() - start}
+    del first
+    for _ in range(WARM):
+        runner.generate(None)
+    out["empty"] = timed(lambda: runner.generate(None), 15 * trials)
+    for kind in ("tensor", "dataclass", "bf16", "numpy", "shared"):
+        attempt(out, (kind,), lambda kind=kind: {
+            kind: warm_and_timed(lambda: runner.generate(kind), trials)})
+    x = np.random.default_rng(0).integers(0, 255, SHAPE, np.uint8)
+    attempt(out, ("to_device",), lambda: {"to_device": summary(
+        [runner.generate(x) for _ in range(WARM + trials)][WARM:])})
+    return out
+
+
+def warm_and_timed(fn, trials: int = TRIALS) -> dict:
+    for _ in range(WARM):
+        fn()
+    return timed(fn, trials)
+
+
+def streamed(runner, trials: int = TRIALS) -> dict[str, dict]:
+    """The same results yielded, one item per step."""
+    out: dict[str, dict] = {}
+    for kind in ("tensor", "dataclass", "bf16"):
+        attempt(out, (f"stream_{kind}",), lambda kind=kind: {
+            f"stream_{kind}": warm_and_timed(lambda: list(runner.stream(kind)), trials)})
+    return out
 
 
 def frame_timings(path: str) -> int:
-    import torch
-
-    from benchmarks.gpu_frames import GpuFrames, copies_into_shared_memory
+    """Measure every row of benchmarks/gpu_frames.ROWS into ``path`` (JSON): the floors
+    before and after the runners (the faster of the two counts), the runners between."""
+    from benchmarks.gpu_frames import ROWS, GpuFrames, GpuFramesStream, floors
     from reactor_dist import DistributedRunner
 
-    rows = []
+    floor_keys = tuple(r.key for r in ROWS if r.key.startswith("floor") or "shm" in r.key)
+    timings: dict[str, dict] = {}
+    attempt(timings, floor_keys, lambda: floors(timed))
+    rank_keys = tuple(r.key for r in ROWS if r.key not in floor_keys and
+                      not r.key.startswith("stream"))
+    runner = DistributedRunner(GpuFrames, world_size=1, device="cuda", call_timeout=120.0)
     start = time.perf_counter()
-    with DistributedRunner(GpuFrames, world_size=1, device="cuda") as runner:
-        rows.append(("start() to ready, 1 rank", f"{time.perf_counter() - start:.2f} s"))
-        for _ in range(5):
-            runner.generate("shared")
-        rows.append(("empty call", described(timed(lambda: runner.generate(None), 300))))
-        rows.append(("97 MB frames, .cpu().numpy()",
-                     described(timed(lambda: runner.generate("plain"), 20), NBYTES)))
-        rows.append(("97 MB frames, shared_empty",
-                     described(timed(lambda: runner.generate("shared"), 20), NBYTES)))
-    frames = torch.randint(0, 255, SHAPE, dtype=torch.uint8, device="cuda")
-    pinned = torch.empty(SHAPE, dtype=torch.uint8, pin_memory=True)
-    rows.append(("floor: D2H into pinned memory",
-                 described(timed(lambda: pinned.copy_(frames), 20), NBYTES)))
-    for name, times in copies_into_shared_memory(frames, timed):
-        rows.append((name, described(times, NBYTES)))
+    try:
+        runner.start()
+        timings["start"] = {"median": time.perf_counter() - start}
+        attempt(timings, rank_keys, lambda: returned(runner))
+    except Exception as e:
+        for key in rank_keys:
+            timings.setdefault(key, {"error": f"{type(e).__name__}: {e}"[:160]})
+    finally:
+        runner.shutdown()
+    stream_keys = tuple(r.key for r in ROWS if r.key.startswith("stream"))
+
+    def streams() -> dict[str, dict]:
+        with DistributedRunner(GpuFramesStream, world_size=1, device="cuda",
+                               call_timeout=120.0) as runner:
+            return streamed(runner)
+
+    attempt(timings, stream_keys, streams)
+    again: dict[str, dict] = {}
+    attempt(again, floor_keys, lambda: floors(timed))
+    for key in floor_keys:
+        if "median" in again.get(key, {}) and \
+                again[key]["median"] < timings.get(key, {}).get("median", float("inf")):
+            timings[key] = again[key]
     with open(path, "w") as f:
-        json.dump(rows, f)
+        json.dump(timings, f)
     return 0
 
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--frames"]:
         return frame_timings(argv[1])
+    missing: list[str] = []
+    if argv[:1] == ["--current-env"]:
+        missing = missing_packages()
+        print(environment_report(missing), flush=True)
+        needed = [name for name in missing if name in NEEDED]
+        if needed:
+            print(f"gpu-check: cannot run without {', '.join(needed)}", file=sys.stderr)
+            return 1
+    elif argv:
+        print(f"usage: python -m benchmarks.gpu_check [--current-env] (got {argv})",
+              file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():
         code, message = no_cuda_verdict(torch)
         print(message, file=sys.stderr if code else sys.stdout)
         return code
-    return check(min(torch.cuda.device_count(), MOST_GPUS))
+    return check(min(torch.cuda.device_count(), MOST_GPUS), missing)
 
 
 if __name__ == "__main__":
