@@ -15,7 +15,7 @@ RAY_SPEC ?= ray==2.60.0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER = 0
 export RAY_USAGE_STATS_ENABLED = 0
 
-.PHONY: venv venv-ray venv-models docs docs-check chromium docs-serve test test-slow prometheus metrics-dashboard stress chaos demo bench bench-quick bench-per-call bench-pipelined bench-recovery bench-sessions gpu-check lint clean
+.PHONY: venv venv-ray venv-models docs docs-check chromium docs-serve test test-slow prometheus metrics-dashboard stress chaos demo bench bench-quick bench-per-call bench-pipelined bench-recovery bench-sessions gpu-check gpu-check-here lint clean
 
 venv: $(VENV)/.installed
 
@@ -126,6 +126,13 @@ bench-sessions: venv
 # under 8 minutes. A driver without CUDA in torch fails (see TORCH_SPEC); no GPU: exit 0.
 gpu-check: venv-models
 	$(PY) -m benchmarks.gpu_check
+
+# The same in the environment you are in, installing nothing and making no venv: for
+# offline GPU containers that have torch, transformers and diffusers already.  PYTHON
+# picks the interpreter (make gpu-check-here PYTHON=/opt/conda/bin/python); the checkout
+# goes on PYTHONPATH.  It first names each package it lacks and what that skips.
+gpu-check-here:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) -m benchmarks.gpu_check --current-env
 
 # The documentation site (mkdocs.yml, docs/): the `docs` extra into the same .venv on first
 # use, without torch or ray (mkdocstrings reads the source, it imports nothing), then a
