@@ -29,6 +29,7 @@ import mmap
 import os
 import secrets
 import stat
+import time
 from collections.abc import Collection
 from functools import lru_cache
 
@@ -268,24 +269,54 @@ def hold_owner_lock(directory: str, prefix: str) -> int:
     return fd
 
 
-def lock_free(path: str) -> bool:
-    """Whether nobody holds the owner lock at ``path`` (its owner is dead)."""
+def lock_state(path: str) -> str:
+    """The owner lock at ``path``: "held" (its runner lives, or another user's or an
+    unreadable one: not ours to judge), "free" (its owner is dead) or "gone" (removed:
+    its runner is ending, by its own shutdown or its ranks' cleanup after its death)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return "gone"
     except OSError:
-        return False
+        return "held"
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return True
+        return "free"
     except OSError:
-        return False
+        return "held"
     finally:
         os.close(fd)
 
 
+def lock_free(path: str) -> bool:
+    """Whether nobody holds the owner lock at ``path`` (its owner is dead)."""
+    return lock_state(path) == "free"
+
+
+RECLAIM_PASSES = 3  # reclaim_dead_owners looks again while a look removed something
+DRAFT_AGE = 60.0  # seconds after which an unrenamed owner-lock draft is a dead runner's
+
+
 def reclaim_dead_owners(directory: str) -> int:
-    """Unlink our entries whose owning process is gone (killed runners); never a live
-    one's, nor another user's."""
+    """Unlink our entries whose owning runner is gone (killed runners), its owner lock
+    with them; never a live one's, nor another user's.
+
+    start() calls it, and whatever a dead runner left is gone when it returns: also
+    while that runner's ranks are still removing its entries themselves (one may have
+    taken the lock first: a lock gone means its runner is ending), and while a
+    SIGKILLed owner is still exiting or a zombie (its lock may be held a while yet,
+    as the kernel tears down its memory).  A look again after one that removed
+    something finds what a dying runner's ranks made meanwhile."""
+    removed = 0
+    for _ in range(RECLAIM_PASSES):
+        once = _reclaim_once(directory)
+        removed += once
+        if not once:
+            break
+    return removed
+
+
+def _reclaim_once(directory: str) -> int:
     removed = 0
     try:
         names = os.listdir(directory)
@@ -293,26 +324,88 @@ def reclaim_dead_owners(directory: str) -> int:
         return 0
     alive: dict[str, bool] = {}
     for name in names:
-        key = segment_owner(name)
         path = os.path.join(directory, name)
+        if name.startswith(f".{OWNER_LOCK}-"):
+            removed += _reclaim_draft(path)
+            continue
+        key = segment_owner(name)
         if key is None or not _own_file(path):
             continue
         runner = ".".join(name.split(".")[:4])
         if runner not in alive:
             lock = f"{runner}.{OWNER_LOCK}"
-            alive[runner] = not lock_free(os.path.join(directory, lock)) \
-                if lock in names else _owner_alive(*key)
+            if lock in names:
+                state = lock_state(os.path.join(directory, lock))
+                alive[runner] = state == "held" and not _owner_dying(*key)
+            else:
+                alive[runner] = _owner_alive(*key)
         if not alive[runner]:
             unlink_quietly(path)
             removed += 1
     return removed
 
 
+def _reclaim_draft(path: str) -> int:
+    """An owner lock's draft (hold_owner_lock) left by a runner killed before it named
+    it: free and older than DRAFT_AGE (a live one is locked microseconds after it is
+    made, and named at once)."""
+    try:
+        age = time.time() - os.lstat(path).st_mtime
+    except OSError:
+        return 0
+    if age < DRAFT_AGE or not _own_file(path) or lock_state(path) != "free":
+        return 0
+    unlink_quietly(path)
+    return 1
+
+
 def _owner_alive(pid: int, started_hex: str) -> bool:
+    """Whether process ``pid`` started at ``started_hex`` lives (a zombie, or a process
+    that a SIGKILL is ending, does not)."""
     try:
         started = int(psutil.Process(pid).create_time() * 100)
     except psutil.AccessDenied:
         return True  # somebody else's live process: not ours to judge
     except (psutil.NoSuchProcess, ValueError):
         return False
-    return f"{started:x}" == started_hex
+    return f"{started:x}" == started_hex and not _owner_dying(pid, started_hex)
+
+
+SIGKILL_BIT = 1 << (9 - 1)  # SIGKILL in /proc's SigPnd and ShdPnd masks
+PF_EXITING = 0x4  # a task's flag in /proc/<pid>/stat from the start of its exit
+
+
+def _owner_dying(pid: int, started_hex: str) -> bool:
+    """Whether process ``pid``, the one started at ``started_hex`` (not another process
+    that reuses the pid, nor one in another pid namespace), is past its death: killed
+    by a SIGKILL not yet acted on, or exiting in every thread (a zombie too; not a
+    process whose first thread alone has ended).  Its owner lock stays held until the
+    kernel closes its files, after its memory is torn down (with a GPU's, a fraction
+    of a second): its entries are for removing now all the same."""
+    try:  # none here with that pid and start: not ours to judge (another namespace's?)
+        if f"{int(psutil.Process(pid).create_time() * 100):x}" != started_hex:
+            return False
+    except (psutil.Error, ValueError):
+        return False
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            pending = dict(line.split(":", 1) for line in f if ":" in line)
+        if any(int(pending.get(mask, "0").strip() or "0", 16) & SIGKILL_BIT
+               for mask in ("ShdPnd", "SigPnd")):
+            return True
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True  # it was here a moment ago: gone since
+    except (OSError, ValueError):
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                flags = int(f.read().rsplit(")", 1)[1].split()[6])
+        except FileNotFoundError:
+            continue  # this thread has ended
+        except (OSError, ValueError, IndexError):
+            return False
+        if not flags & PF_EXITING:
+            return False
+    return True
