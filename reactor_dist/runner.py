@@ -91,7 +91,9 @@ class DistributedRunner:
     :param device: "auto" (a GPU per rank where CUDA is present, else the CPU), "cpu"
         or "cuda".
     :param gpus: the physical GPU ids to use, one per rank (then one per spare); sets
-        each rank's CUDA_VISIBLE_DEVICES.
+        each rank's CUDA_VISIBLE_DEVICES (each GPU once).  Two ranks on one GPU are
+        refused (NCCL allows one rank per GPU); a spare may share a rank's GPU, and
+        then takes only that rank's place.
     :param env: extra environment variables of the ranks.
     :param launch_prefix: a command that wraps each rank's (``{rank}`` substituted),
         e.g. ``[sys.executable, "-m", "reactor_dist.numa", "{rank}"]``.
