@@ -6,9 +6,10 @@ Which segment may be reused when is the ledger's business
 Names (:func:`reactor_dist.protocol.segment_prefix`) carry the owner's pid and
 start time, and each runner holds an flock on its ``<prefix>.lock`` entry for as
 long as it lives, so any later runner on the machine recognises entries whose owner
-is dead (its lock is free; without a lock file: pid gone or reused) and removes
-them; a live runner's entries are never touched, also where the owner's pid means
-nothing here (a runner in another pid namespace).  Every entry is created 0600.
+is dead (its lock is free or gone, or its process is past its death; without a lock
+file: pid gone or reused) and removes them, the lock too; a live runner's entries
+are never touched, also where the owner's pid means nothing here (a runner in
+another pid namespace).  Every entry is created 0600.
 Removal touches only regular files owned by this user (lstat: a link is never
 followed); anything else in /dev/shm, another user's file or a directory squatting
 on a name, is left alone, and an error while removing is logged (logger

@@ -6,7 +6,9 @@ restart (reactor_dist.recovery) each rank that needs a new process takes a ready
 instead, while there is one: the spare becomes that rank, joins the new group with the
 survivors and runs ``rejoin()`` there, as they do, so the restart costs a group's
 forming and no ``load()``.  Then a new spare starts in the background, in the place
-(GPU, or Ray bundle) the dead rank left, never on the path of a call::
+(GPU, or Ray bundle) the dead rank left, never on the path of a call.  A spare may
+share a rank's GPU (``gpus=[0, 1, 0]``); it then takes only that rank's place, since
+NCCL allows one rank per GPU (:func:`match`)::
 
     caller (this module's thread)                   spare (rank.RankServer.wait_as_spare)
     spawn, bootstrap (spare, slot, spare_addr)  ->  load(), rank None

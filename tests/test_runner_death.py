@@ -339,3 +339,37 @@ def test_the_next_start_removes_a_dead_runners_entries_whose_lock_went_first(app
     bystander.proc.stdin.close()
     assert bystander.proc.wait(30) == 0
     assert our_entries(bystander.info["prefix"]) == []
+
+
+def test_an_owner_is_judged_by_its_lock_and_by_its_process_past_death(tmp_path):
+    """shm's verdicts: a lock held, free or gone; an owner alive, a zombie (dead, its pid
+    not yet reaped) or another process's pid (not ours to judge); an owner-lock draft a
+    minute old and free goes, a fresh one stays."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    tag = start_tag(child.pid)
+    lock = shm.hold_owner_lock(str(tmp_path), "rdist.1.2.ab")
+    path = str(tmp_path / "rdist.1.2.ab.lock")
+    try:
+        assert shm.lock_state(path) == "held"
+        assert shm.lock_state(str(tmp_path / "none.lock")) == "gone"
+        assert shm._owner_dying(child.pid, tag) is False
+        assert shm._owner_alive(child.pid, tag) is True
+        child.kill()
+        deadline = time.monotonic() + 10
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert shm._owner_dying(child.pid, tag) is True
+        assert shm._owner_alive(child.pid, tag) is False
+        assert shm._owner_dying(child.pid, "1") is False  # the pid, not that process
+    finally:
+        os.close(lock)
+        child.wait()
+    assert shm.lock_state(path) == "free"
+    old, fresh = tmp_path / ".lock-0011", tmp_path / ".lock-0022"
+    for draft in (old, fresh):
+        draft.touch()
+    os.utime(old, (time.time() - 120, time.time() - 120))
+    assert shm.reclaim_dead_owners(str(tmp_path)) == 2  # the old draft, the free lock
+    assert sorted(os.listdir(tmp_path)) == [".lock-0022"]
