@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 from reactor_dist import DistributedWorker
@@ -79,3 +82,60 @@ class WeightsOnGpu(DistributedWorker):
 
     def reset(self) -> None:
         pass
+
+
+# -- CUDA tensors in rank 0's result (issue 43): staged into registered shared memory -------
+ELEMENTS = 3 << 20  # elements of each tensor below: above staging's threshold (1 MiB)
+KINDS = ("uint8", "dataclass", "bf16", "float8_e4m3fn", "bool", "transposed", "small")
+
+
+@dataclass
+class Held:
+    """A result that holds its tensor, as a product's result object does."""
+
+    frames: Any
+
+
+def made(kind: str, device: str) -> Any:
+    """The result of ``kind``, the same on every device: integer values, exact in every
+    dtype here (bf16 holds -100..99, float8_e4m3fn -8..7 exactly)."""
+    import torch
+
+    base = torch.arange(ELEMENTS, device=device)
+    if kind in ("uint8", "dataclass"):
+        frames = (base % 251).to(torch.uint8).view(3, 1024, 1024)
+        return Held(frames) if kind == "dataclass" else frames
+    if kind == "bf16":
+        return (base % 200 - 100).to(torch.bfloat16).view(1536, 2048)
+    if kind == "float8_e4m3fn":
+        return (base % 16 - 8).to(torch.float32).to(torch.float8_e4m3fn).view(3072, 1024)
+    if kind == "bool":
+        return (base % 3 == 0).view(3072, 1024)
+    if kind == "transposed":  # a non-contiguous view
+        return (base % 241).to(torch.uint8).view(1024, 3072).t()
+    if kind == "small":  # under the threshold: the .cpu() path
+        return torch.arange(6, device=device)
+    raise ValueError(f"unknown kind {kind!r}")
+
+
+class Tensors(DistributedWorker):
+    """``generate(kind)``: ``made(kind)`` on this rank's GPU.  ``generate(x)`` with an
+    input array: ``self.to_device(x)``, whether it equals the plain copy
+    ``torch.from_numpy(x).to(device)``, and where it is."""
+
+    def generate(self, what, /):
+        import torch
+
+        if isinstance(what, np.ndarray):
+            on_gpu = self.to_device(what)
+            plain = torch.from_numpy(what).to(self.device)
+            return on_gpu, bool(torch.equal(on_gpu, plain)), str(on_gpu.device)
+        return made(what, self.device)
+
+
+class StreamsTensors(Tensors):
+    """``generate(kinds)`` yields ``made(kind)`` for each kind, one item each."""
+
+    def generate(self, kinds, /):
+        for kind in kinds:
+            yield made(kind, self.device)

@@ -11,9 +11,10 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
-from gpu_workers import FRAME, OnGpu
+from gpu_workers import FRAME, KINDS, Held, OnGpu, StreamsTensors, Tensors, made
 from timing_workers import SlowBeforeAllReduce
 
 from reactor_dist import DistributedRunner
@@ -54,6 +55,56 @@ def test_a_cuda_tensor_of_rank_0_arrives_on_the_cpu():
         got = r.generate("cuda_tensor")
     assert isinstance(got, torch.Tensor) and got.device.type == "cpu"
     assert got.tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def same(got, expected: torch.Tensor) -> None:
+    """``got`` is a CPU tensor of ``expected``'s dtype and shape, equal to it bit for bit
+    (float8 has no CPU equality: compared as its bytes)."""
+    assert isinstance(got, torch.Tensor) and got.device.type == "cpu"
+    assert (got.dtype, got.shape) == (expected.dtype, expected.shape)
+    expected = expected.cpu()
+    if expected.dtype == torch.float8_e4m3fn:
+        got, expected = got.view(torch.uint8), expected.view(torch.uint8)
+    assert torch.equal(got, expected)
+
+
+def arrived(got, kind: str) -> None:
+    """``got`` is rank 0's ``made(kind)``, on the CPU."""
+    expected = made(kind, "cuda")
+    if kind == "dataclass":
+        assert isinstance(got, Held)
+        got, expected = got.frames, expected.frames
+    same(got, expected)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_kind_of_cuda_tensor_in_rank_0s_result_arrives_as_an_equal_cpu_tensor(kind):
+    # bare uint8, in a dataclass, bf16, float8, bool, a transposed view (non-contiguous),
+    # and one under staging's threshold; twice each: the second from a warm segment
+    with DistributedRunner(Tensors, world_size=gpu_world_size(), device="cuda",
+                           call_timeout=120.0) as r:
+        for _ in range(2):
+            arrived(r.generate(kind), kind)
+
+
+def test_the_same_tensors_yielded_by_a_stream_arrive_as_equal_cpu_tensors():
+    with DistributedRunner(StreamsTensors, world_size=gpu_world_size(), device="cuda",
+                           call_timeout=120.0) as r:
+        items = list(r.stream(list(KINDS)))
+        assert len(items) == len(KINDS)
+        for got, kind in zip(items, KINDS, strict=True):
+            arrived(got, kind)
+
+
+def test_an_input_array_reaches_the_gpu_with_to_device_equal_to_a_plain_copy():
+    # 8 MB: it travels through shared memory; twice: the second from a warm mapping
+    x = (np.arange(8 << 20) % 253).astype(np.uint8).reshape(8, 1024, 1024)
+    with DistributedRunner(Tensors, world_size=gpu_world_size(), device="cuda",
+                           call_timeout=120.0) as r:
+        for _ in range(2):
+            on_gpu, equal, device = r.generate(x)
+            assert (equal, device) == (True, "cuda:0")
+            same(on_gpu, torch.from_numpy(x).cuda())
 
 
 def test_a_rank_with_gpu_work_queued_is_the_slowest_not_rank_0():
@@ -162,6 +213,7 @@ GPU_TOLERANCE = 5e-3
 
 
 def test_transformers_tensor_parallel_llama_on_cuda_matches_the_cpu(tmp_path):
+    pytest.importorskip("transformers")  # make gpu-check-here where it is not installed
     from workers.hf_llama import LlamaTP, load_llama, logits, save_tiny_llama
 
     path = save_tiny_llama(str(tmp_path / "llama"))
@@ -176,6 +228,8 @@ def test_transformers_tensor_parallel_llama_on_cuda_matches_the_cpu(tmp_path):
 
 
 def test_diffusers_context_parallel_wan_on_cuda_matches_the_cpu():
+    pytest.importorskip("transformers")  # the Wan worker imports it too
+    pytest.importorskip("diffusers")
     from workers.wan_context import WanContextParallel, build_wan, predict
 
     expected = predict(build_wan(0), 3, "cpu")
