@@ -11,7 +11,7 @@ needs the worker's side only, so the caller's side (``DistributedRunner`` and th
 modules behind it) is imported on first use of the name, not by ``import reactor_dist``.
 """
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     CallQueueFull,
@@ -46,6 +46,8 @@ __all__ = [
     "SharedMemoryExhausted",
     "WorkerCrashed",
     "WorkerTimeout",
+    "close_rank_templates",
+    "set_rank_template_idle",
     "share_cpu_cores",
 ]
 __version__ = "0.1.0"
@@ -53,16 +55,24 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from .runner import DistributedRunner
+    from .template import close_rank_templates, set_rank_template_idle
+
+_TEMPLATE_NAMES = ("close_rank_templates", "set_rank_template_idle")
 
 
-def __getattr__(name: str) -> type:
-    """``DistributedRunner`` on first use; deprecated names (``SharedSlotAllocationFailed``)
-    still work, with a warning."""
+def __getattr__(name: str) -> Any:
+    """``DistributedRunner`` and the rank templates' controls on first use; deprecated
+    names (``SharedSlotAllocationFailed``) still work, with a warning."""
     if name == "DistributedRunner":
         from .runner import DistributedRunner
 
         globals()[name] = DistributedRunner  # later lookups skip this function
         return DistributedRunner
+    if name in _TEMPLATE_NAMES:
+        from . import template
+
+        globals()[name] = getattr(template, name)
+        return globals()[name]
     from .errors import deprecated_name
 
     return deprecated_name(__name__, name)

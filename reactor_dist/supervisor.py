@@ -64,6 +64,7 @@ from .protocol import (
 )
 from .releaser import Releaser
 from .spares import Spare, Spares
+from .template import Template
 
 
 def raise_first_error(answers: Replies) -> None:
@@ -124,6 +125,7 @@ class Supervisor:
         self.ranks: Ranks | None = None
         self.ipc_dir: str | None = None
         self._owner_lock = -1  # held from start() to close(): see shm.hold_owner_lock
+        self._holds_templates = False  # from start() to close(): Template.hold, let_go
         self._dir_lock = -1  # the lock in the private directory: see bus.private_dir
         self.display: Display | None = None  # start()'s progress display
         self._worker, self._load_kwargs = worker, pickle.dumps(load_kwargs, protocol=5)
@@ -153,6 +155,9 @@ class Supervisor:
         (``timeout`` None: no limit)."""
         deadline = timeouts.deadline_of(timeout)
         descriptors.check_room(self.world_size)  # libzmq aborts the process when it runs out
+        if not self._holds_templates:  # they stay while we are started (template.py)
+            Template.hold()
+            self._holds_templates = True
         self._owner_lock = shm.hold_owner_lock(self.shm_dir, self.shm_prefix)
         shm.reclaim_dead_owners(self.shm_dir)
         reclaim_dead_ipc_dirs()
@@ -533,4 +538,7 @@ class Supervisor:
         if self._owner_lock >= 0:
             os.close(self._owner_lock)
             self._owner_lock = -1
+        if self._holds_templates:
+            self._holds_templates = False
+            Template.let_go()
 

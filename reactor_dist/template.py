@@ -20,9 +20,12 @@ intermediate process, which forks the rank and exits, and the runner, a child
 subreaper (``PR_SET_CHILD_SUBREAPER``) only while it waits for that reply, adopts the
 orphan.  The runner waits for it, signals it and reads its exit status like any child.
 
-One template serves every runner of a process and lives as long as the process (it
-exits when the process's end of its socket closes, or the process dies); ``/proc``
-names it :data:`~reactor_dist.protocol.TEMPLATE_NAME`.  Where a template cannot be had,
+One template serves every runner of a process.  It stays while a runner of the process
+is started, and for :data:`IDLE` seconds (:func:`set_rank_template_idle`) after the
+last one shut down, so that the next runner's ranks start in milliseconds too; then it
+exits (also when the process's end of its socket closes, or the process dies; at once
+with :func:`close_rank_templates`).  ``/proc`` names it
+:data:`~reactor_dist.protocol.TEMPLATE_NAME`.  Where a template cannot be had,
 ranks are spawned (``processes.RankProcess``), with a warning that says why.
 """
 
@@ -88,6 +91,7 @@ PR_SET_NAME, PR_SET_CHILD_SUBREAPER = 15, 36
 OWN_PROCESS_GROUP: dict[str, Any] = (
     {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True})
 MESSAGE_MAX = 1 << 20
+IDLE = 60.0  # seconds the templates stay after the last runner of the process shut down
 
 
 class TemplateFailed(RuntimeError):
@@ -105,6 +109,61 @@ class Template:
 
     _lock = threading.Lock()  # one fork at a time in a process: the subreaper flag is shared
     _kept: OrderedDict[tuple[str, ...], Template] = OrderedDict()
+    _users = 0  # runners of this process started and not yet shut down
+    _idle = IDLE
+    _timer: threading.Timer | None = None  # ends the templates once nobody used them
+
+    @classmethod
+    def hold(cls) -> None:
+        """A runner starts: the templates stay at least until it shuts down."""
+        with cls._lock:
+            cls._users += 1
+            cls._cancel_timer()
+
+    @classmethod
+    def let_go(cls) -> None:
+        """A runner shut down: after the last one, the templates end once they have been
+        idle for ``_idle`` seconds (at once for 0)."""
+        with cls._lock:
+            cls._users = max(cls._users - 1, 0)
+            if cls._users or not cls._kept:
+                return
+            cls._cancel_timer()
+            if cls._idle <= 0:
+                cls._close_all()
+                return
+            cls._timer = threading.Timer(cls._idle, cls._end_idle)
+            cls._timer.daemon = True
+            cls._timer.start()
+
+    @classmethod
+    def _end_idle(cls) -> None:
+        with cls._lock:
+            if not cls._users:
+                cls._close_all()
+
+    @classmethod
+    def close_all(cls) -> None:
+        """End every template of this process now (ranks already forked go on)."""
+        with cls._lock:
+            cls._cancel_timer()
+            cls._close_all()
+
+    @classmethod
+    def set_idle(cls, seconds: float) -> None:
+        with cls._lock:
+            cls._idle = seconds
+
+    @classmethod
+    def _close_all(cls) -> None:
+        while cls._kept:
+            cls._kept.popitem(last=False)[1].close()
+
+    @classmethod
+    def _cancel_timer(cls) -> None:
+        if cls._timer is not None:
+            cls._timer.cancel()
+            cls._timer = None
 
     @classmethod
     def fork(cls, env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int,
@@ -144,6 +203,7 @@ class Template:
         for template in cls._kept.values():
             template.sock.close()
         cls._kept = OrderedDict()
+        cls._users, cls._timer = 0, None  # the parent's timer thread is not in the child
 
     @classmethod
     def pids(cls) -> set[int]:
@@ -238,6 +298,25 @@ class Template:
 
 
 os.register_at_fork(after_in_child=Template._forget)
+
+
+def set_rank_template_idle(seconds: float) -> None:
+    """How long the rank templates of this process (the processes that fork ranks with
+    torch already imported) stay after its last runner shut down: 60 s by default; 0:
+    they end with it.  A runner started meanwhile uses them again."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or \
+            not seconds >= 0:
+        raise ValueError(f"seconds must be a number >= 0 (how long the rank templates stay "
+                         f"after the last runner shut down; 0: they end with it), got "
+                         f"{seconds!r}")
+    Template.set_idle(float(seconds))
+
+
+def close_rank_templates() -> None:
+    """End the rank templates of this process now; the next rank to start starts a new
+    one.  Ranks already running go on: they are the runner's children, not the
+    template's."""
+    Template.close_all()
 
 
 def _read_at_import(name: str) -> bool:

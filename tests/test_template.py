@@ -205,3 +205,79 @@ def test_an_interrupted_fork_keeps_the_template_in_step_and_its_rank_is_reaped(
     zombies = [c.pid for c in psutil.Process().children()
                if c.pid not in own and c.status() == psutil.STATUS_ZOMBIE]
     assert zombies == []
+
+
+IDLE_APP = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from sample_workers import Echo
+    import reactor_dist
+    from reactor_dist import DistributedRunner
+    from reactor_dist.template import Template
+
+    def run(value, wait=0.0):
+        with DistributedRunner(Echo, world_size=2, device="cpu") as runner:
+            time.sleep(wait)
+            assert runner.generate(value) == value
+        return sorted(Template.pids())
+
+    if __name__ == "__main__":
+        reactor_dist.set_rank_template_idle({idle})
+        first = run(1)
+        print(*first, flush=True)
+        time.sleep({idle} / 4)
+        print(run(2) == first, run(3, wait={idle} * 1.5) == first, flush=True)
+        time.sleep({idle} * 2.5)  # idle for longer than {idle} s: gone
+        print(sorted(Template.pids()), flush=True)
+        again = run(4)
+        reactor_dist.close_rank_templates()
+        print(len(again) == 1 and again != first, sorted(Template.pids()), *again, flush=True)
+""")
+
+
+def test_the_template_ends_once_no_runner_used_it_for_a_while(tmp_path):
+    script = tmp_path / "app.py"
+    script.write_text(IDLE_APP.format(tests=TESTS, idle=1.0))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    first, reused, idle, closed = out.stdout.splitlines()
+    # Within the idle time, and while a runner is started, the same template serves.
+    assert reused == "True True"
+    assert idle == "[]"  # ended after 1 s without a runner
+    assert closed.startswith("True [] ")  # a new one, ended at once by close_rank_templates
+    pids = [int(p) for p in first.split()] + [int(p) for p in closed.split()[2:]]
+    assert len(pids) == 2 and wait_gone(pids, timeout=5.0) == []
+
+
+def test_with_no_idle_time_the_template_ends_with_the_last_runner(tmp_path):
+    script = tmp_path / "app.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {TESTS!r})
+        from sample_workers import Echo
+        import reactor_dist
+        from reactor_dist import DistributedRunner
+        from reactor_dist.template import Template
+        if __name__ == "__main__":
+            reactor_dist.set_rank_template_idle(0)
+            with DistributedRunner(Echo, world_size=1, device="cpu") as runner:
+                runner.generate(1)
+                print(*Template.pids(), flush=True)
+            print(sorted(Template.pids()), flush=True)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    during, after = out.stdout.splitlines()
+    assert len(during.split()) == 1 and after == "[]"
+    assert wait_gone([int(during)], timeout=5.0) == []
+
+
+@pytest.mark.parametrize("bad", [-1, "10", None, float("nan"), True])
+def test_the_idle_time_is_seconds_at_least_zero(bad):
+    with pytest.raises(ValueError) as err:
+        template.set_rank_template_idle(bad)
+    assert str(err.value) == (
+        f"seconds must be a number >= 0 (how long the rank templates stay after the last "
+        f"runner shut down; 0: they end with it), got {bad!r}")
