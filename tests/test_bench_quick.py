@@ -56,6 +56,12 @@ def test_quick_bench_runs_and_writes_results(tmp_path: Path) -> None:
                       if ln.startswith(f"| world_size {ws}: a snapshot, snapshot_every={k} |")]
             assert line.rstrip(" |").endswith(("| yes", "| NO")), line
     assert any(ln.startswith("| kill -> the call's result (no error;") for ln in text.splitlines())
+    # A fresh CPU buffer per call (issue 43): the ranks' default judged, the others inform.
+    for case, judged in (("no setting (torch's and glibc's defaults)", False),
+                         ("THP_MEM_ALLOC_ENABLE=1 (the ranks' default)", True),
+                         ("in a rank (world_size 1), its default environment", True)):
+        [line] = [ln for ln in text.splitlines() if ln.startswith(f"| {case} |")]
+        assert line.rstrip(" |").endswith(("| yes", "| NO")) == judged, line
     assert "Problems in this run" not in text
     assert "generate(1), world_size 2" in proc.stdout  # the table reached stdout
     assert (REPO / "docs" / "performance.md").read_bytes() == page_before  # a full run writes it
