@@ -48,7 +48,7 @@ class Call:
                  "generator", "started", "sent", "deadline", "watchers",
                  "done", "value", "error", "future", "itemized", "times", "compute",
                  "collective_wait", "tags", "stream", "command", "received", "skip",
-                 "retried")
+                 "retried", "every_rank")
 
     def __init__(self, seq: int, method: str, timeout: float | None, started: float = 0.0,
                  sent: float = 0.0) -> None:
@@ -81,6 +81,7 @@ class Call:
         self.command: Command | None = None
         self.received = self.skip = 0
         self.retried = False
+        self.every_rank = False  # call_all's: every rank's result is the value
 
     def resent(self, seq: int, sent: float) -> None:
         """``retry_failed``: the same call, sent again as ``seq`` after a restart; the
@@ -111,6 +112,16 @@ class Command(NamedTuple):
     body: list  # the pickle stream and inline buffers, copied (the caller may reuse its own)
     segments: list[str]
     timeout: float | None
+    every_rank: bool = False  # call_all's: every rank sends its result
+
+
+class Arguments(NamedTuple):
+    """The value of a call of a worker method by name (``runner.call``): what the ranks
+    call it with, and whether every rank's result comes back (``call_all``)."""
+
+    args: tuple
+    kwargs: dict[str, Any]
+    every_rank: bool = False
 
 
 class Undecodable(NamedTuple):
@@ -198,31 +209,39 @@ class CallPath:
         if started - self.last_sent > IDLE_RETURN and self.inputs.idle:
             self.inputs.retire_idle()  # a cache, never a hoard: they ride as RETIRED
         self.last_sent = started
-        if method == Method.GENERATE:
+        every_rank = False
+        if method == Method.GENERATE or method not in Method.BUILT_IN:
+            what = "the input of generate()"
+            if isinstance(value, Arguments):  # a worker method by name: its arguments
+                every_rank, value = value.every_rank, (value.args, value.kwargs)
+                what = f"the arguments of {method}()"
             self.inputs.new_call()
             self.memory.reclaim_timeout = timeout
             try:
                 descriptors, body, segments = transfer.encode(
-                    value, self.inputs, "the input of generate()", holders=range(self.world_size),
+                    value, self.inputs, what, holders=range(self.world_size),
                     inline_limit=self.inline_limit)
             except (shm.SharedMemoryExhausted, WorkerCrashed, WorkerTimeout):
                 raise  # (a rank that died during a reclaim round)
             except Exception as exc:
                 raise TypeError(
-                    f"the input of generate() cannot be pickled ({type(exc).__name__}: {exc}); "
+                    f"{what} cannot be pickled ({type(exc).__name__}: {exc}); "
                     f"inputs must pickle: plain data, numpy arrays, tensors, module-level "
                     f"classes"
                 ) from exc
             if descriptors:
                 header[Field.DESCRIPTORS] = descriptors
+            if every_rank:
+                header[Field.ALL] = True
             if keep:
                 header[Field.DIGEST] = True
         command = None
         if keep:
             command = Command(method, header.get(Field.DESCRIPTORS), [bytes(f) for f in body],
-                              segments, timeout)
+                              segments, timeout, every_rank)
         seq = self.publish(header, body, timeout, behind, method)
         call = Call(seq, method, timeout, started, time.perf_counter())
+        call.every_rank = every_rank
         if command is not None:
             for name in segments:
                 self.inputs.hold(name, SESSION)
@@ -235,8 +254,10 @@ class CallPath:
         header: dict[str, Any] = {Field.KIND: Kind.CALL, Field.METHOD: command.method}
         if command.descriptors:
             header[Field.DESCRIPTORS] = command.descriptors
-        if command.method == Method.GENERATE:
+        if command.method == Method.GENERATE or command.method not in Method.BUILT_IN:
             header[Field.DIGEST] = True
+        if command.every_rank:
+            header[Field.ALL] = True
         seq = self.publish(header, list(command.body), command.timeout, behind,
                            command.method)
         for name in command.segments:  # sent: every rank releases them after it
@@ -315,18 +336,41 @@ class CallPath:
                              f"the caller; the runner stays healthy)")
             return Undecodable(exc)
 
+    def every_result(self, call: Call) -> Outcome:
+        """``call_all``'s value: every rank's result, in rank order (each decoded here;
+        one that does not unpickle makes the call undeliverable, as rank 0's would)."""
+        values, error = [], None
+        for rank in range(self.world_size):
+            header, body = call.replies[rank]
+            if error is not None:
+                self.discard(header)
+                continue
+            try:
+                values.append(transfer.decode(header.get(Field.DESCRIPTORS), body,
+                                              self.results.base))
+            except Exception as exc:
+                error = exc
+                values = []
+        if error is not None:
+            return Outcome(Status.UNDELIVERABLE, None, error, type_name(error))
+        return Outcome(Status.OK, values)
+
     def outcomes(self, call: Call) -> list[Outcome]:
-        """Every rank's Outcome; rank 0's result is decoded only when every rank returned
-        and somebody takes it (else it is released unread)."""
+        """Every rank's Outcome; rank 0's result (every rank's, for ``call_all``, as rank
+        0's value) is decoded only when every rank returned and somebody takes it (else
+        it is released unread)."""
         replies = call.replies
         call.generator = Field.ITEMS in replies[0][0]
         if [h.get(Field.STATUS) for h, _ in replies.values()].count(Status.OK) == self.world_size:
-            if call.method != Method.GENERATE:
+            if call.method in Method.BUILT_IN and call.method != Method.GENERATE:
                 return [RETURNED] * self.world_size
             header, body = replies[0]
             if call.left:
-                self.discard(header)
+                for header, _ in replies.values():
+                    self.discard(header)
                 return [RETURNED] * self.world_size
+            if call.every_rank:
+                return [self.every_result(call)] + [RETURNED] * (self.world_size - 1)
             try:
                 if call.generator:  # its items are the value
                     value: Any = list(call.items)

@@ -2,9 +2,9 @@
 
 The contract's table is stated once, in docs/errors-and-recovery.md ("The error
 contract"); :func:`judge` decides its rows for a call whose every rank answered. An
-undeliverable result on rank 0 beside other ranks' exceptions is judged as one more
-exception. Crashes and timeouts never get here: the supervisor raises them while it
-waits (:mod:`reactor_dist.supervisor`).
+undeliverable result (rank 0's; with ``call_all`` any rank's) beside other ranks'
+exceptions is judged as one more exception. Crashes and timeouts never get here: the
+supervisor raises them while it waits (:mod:`reactor_dist.supervisor`).
 """
 
 from __future__ import annotations
@@ -44,10 +44,11 @@ def judge(method: str, outcomes: Sequence[Outcome]) -> Verdict:
     if [o.status for o in outcomes].count(Status.OK) == world_size:
         return Verdict(outcomes[0].value, None, False)
     failed = {r: o for r, o in enumerate(outcomes) if o.status == Status.RAISED}
-    if outcomes[0].status == Status.UNDELIVERABLE:
+    undelivered = {r: o for r, o in enumerate(outcomes) if o.status == Status.UNDELIVERABLE}
+    if undelivered:  # rank 0's result (or, for call_all, any rank's) could not be sent
         if not failed:  # every rank finished the step; only delivery failed: in step
-            return Verdict(None, outcomes[0].error, False)
-        failed = {0: outcomes[0], **failed}
+            return Verdict(None, next(iter(undelivered.values())).error, False)
+        failed = dict(sorted({**undelivered, **failed}.items()))
     if not failed:  # a status we do not know: the ranks did not all return
         failed = {r: o for r, o in enumerate(outcomes) if o.status != Status.OK}
     errors = {r: o.error for r, o in failed.items()}

@@ -28,9 +28,12 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
     ready     <-   a spare's load() returned  to the spare socket (SPARES_SOCKET), unasked:
     (spare)        or raised                  RANK (its slot), STATUS, ERROR, DEVICE,
                                               LOAD_SECONDS, PID
-    call      ->   generate() / reset()       METHOD, DESCRIPTORS (input buffers),
-                   / snapshot() / restore()   RELEASED (result and snapshot segments
-                   (sessions: session.py)     the caller let go), RETIRED (input
+    call      ->   generate() / reset()       METHOD, DESCRIPTORS (input buffers;
+                   / snapshot() / restore()   a named method's: its (args, kwargs)),
+                   (sessions: session.py) /   ALL (true: every rank sends its result,
+                   a method by name           runner.call_all), RELEASED (result and
+                   (runner.call)              snapshot segments
+                                              the caller let go), RETIRED (input
                                               segments unlinked), BEHIND (true: sent
                                               while other calls were in flight; the
                                               rank reads ahead for a DROP before it
@@ -169,6 +172,7 @@ class Field:
     TAKERS = "tk"  # REJOIN: [[spare slot, rank], ...]: each spare takes that rank's place
     ADDRESS = "ad"  # REJOIN across nodes: rank 0's node address (its store's), maybe new
     DIGEST = "dg"  # CALL: true, rank 0 digests its result; REPLY: rank 0's digest (bytes)
+    ALL = "all"  # CALL: true, every rank sends its result (runner.call_all), not rank 0 alone
     STATES = "sts"  # CALL of restore: per rank [first body frame, frame count, descriptors]
 
 
@@ -240,11 +244,13 @@ class Status:
 
 
 class Method:
-    """The value of ``Field.METHOD`` in CALL."""
+    """The value of ``Field.METHOD`` in CALL: one of these, or the name of a public method
+    of the worker (``runner.call``), whose payload is its ``(args, kwargs)``."""
 
     GENERATE, RESET = "generate", "reset"
     # Sessions (reactor_dist.session): every rank returns its state / is given it back.
     SNAPSHOT, RESTORE = "snapshot", "restore"
+    BUILT_IN = frozenset({GENERATE, RESET, SNAPSHOT, RESTORE})
 
 
 class Place:

@@ -386,8 +386,11 @@ class RankServer:
         value = result = None
         method = header[Field.METHOD]
         generate = method == Method.GENERATE
+        named = method not in Method.BUILT_IN  # a worker method by name (runner.call)
+        # Who sends a result: rank 0, or with call_all (Field.ALL) every rank.
+        delivers = (generate or named) and (self.rank == 0 or bool(header.get(Field.ALL)))
         # Sessions (reactor_dist.session): rank 0 digests what it hands over, when asked.
-        self.digest = transfer.Digest() if generate and self.rank == 0 and \
+        self.digest = transfer.Digest() if (generate or named) and self.rank == 0 and \
             header.get(Field.DIGEST) else None
         began = 0.0
         if self.waits is not None:
@@ -416,6 +419,14 @@ class RankServer:
                         reply[Field.STATUS] = Status.UNDELIVERABLE
                 else:
                     wait_for_device(self.device)  # the timing ends when the GPU is done
+            elif named:
+                args, kwargs = transfer.decode(header.get(Field.DESCRIPTORS), body,
+                                               self.memory.input_base)
+                function = self.worker_method(method)
+                began = time.perf_counter()
+                result = function(*args, **kwargs)
+                del args, kwargs
+                wait_for_device(self.device)
             else:
                 began = time.perf_counter()
                 self.worker.reset()
@@ -434,10 +445,10 @@ class RankServer:
             reply[Field.COMPUTE] = time.perf_counter() - began
         if self.waits is not None:  # read after wait_for_device: the events are done
             reply[Field.COLLECTIVE_WAIT] = self.waits.take()
-        if error is None and generate and self.rank == 0 and Field.ITEMS not in reply:
+        if error is None and delivers and Field.ITEMS not in reply:
             try:
                 descriptors, payload, _ = transfer.encode(
-                    result, self.results, "the result of generate() on rank 0",
+                    result, self.results, f"the result of {method}() on rank {self.rank}",
                     holders=(CALLER,), reuse_segments=True, inline_limit=self.inline_limit,
                     verb="return", digest=self.digest, staging=self.memory.staging())
                 if descriptors:
@@ -455,6 +466,16 @@ class RankServer:
         self.send(reply, payload)
         self.memory.check_written_views()
         return reply[Field.STATUS]
+
+    def worker_method(self, name: str) -> Any:
+        """The worker's public method ``name`` (the caller checked the class; this
+        instance may differ): an AttributeError, the same on every rank, where it has
+        none."""
+        function = None if name.startswith("_") else getattr(self.worker, name, None)
+        if not callable(function):
+            raise AttributeError(f"{type(self.worker).__qualname__} has no public method "
+                                 f"{name!r} on rank {self.rank}")
+        return function
 
     def snapshot(self, reply: dict[str, Any]) -> list:
         """Sessions: this rank's ``snapshot()``, into its snapshot pool (the caller holds

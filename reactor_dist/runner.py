@@ -30,6 +30,7 @@ from typing import Any
 
 from . import aio, blocking, validation
 from .call_queue import CLOSED, HEALTHY, NEW, CallQueue
+from .calls import Arguments
 from .errors import RankInfo
 from .observers import Observer, tell
 from .placement import check_ray_options, placement_for
@@ -165,6 +166,7 @@ class DistributedRunner:
         validation.warn_if_cores_short(world_size, device, placement)
         env = {str(k): str(v) for k, v in (env or {}).items()}
         self._gpus, self._device = gpus, device
+        self._worker_cls = worker_cls  # call(name): its public methods
         self._placement = placement
         if where.module == "__main__":
             # Ranks define __main__'s classes as __mp_main__ (like multiprocessing): alias
@@ -401,6 +403,31 @@ class DistributedRunner:
         as in :meth:`generate`."""
         blocking.call(self._queue, Method.RESET, None, *self._bounds(timeout, queue_timeout))
 
+    def call(self, name: str, /, *args: Any, **kwargs: Any) -> Any:
+        """Run the worker's public method ``name(*args, **kwargs)`` on every rank, in order
+        with the calls in flight, under the whole contract of :meth:`generate` (bounded by
+        ``call_timeout``); rank 0's result.  For what every rank must take between steps:
+        a LoRA, a style, a seed, a profiler switch.  A name the worker class lacks, or a
+        private one, is an error before anything is sent.  With ``snapshot_every`` the
+        call is journaled and replayed like a ``generate``."""
+        return blocking.call(self._queue, *self._named(name, args, kwargs, "call"),
+                             self.call_timeout, self.call_timeout)
+
+    def call_all(self, name: str, /, *args: Any, **kwargs: Any) -> list[Any]:
+        """:meth:`call`, returning every rank's result, in rank order."""
+        return blocking.call(self._queue, *self._named(name, args, kwargs, "call_all"),
+                             self.call_timeout, self.call_timeout)
+
+    def _named(self, name: str, args: tuple, kwargs: dict[str, Any],
+               form: str) -> tuple[str, Any]:
+        """The method and the value of a call by name (checked: nothing is sent else)."""
+        validation.check_method_name(self._worker_cls, name, form, args, kwargs)
+        if name == Method.GENERATE:
+            return name, args[0]
+        if name == Method.RESET:
+            return name, None
+        return name, Arguments(args, kwargs, form.endswith("_all"))
+
     def wait_idle(self, timeout: float | None | EllipsisType = ...) -> bool:
         """Wait until the ranks answered every call sent so far, also the calls nobody
         waits for any more (Ctrl-C, a cancelled task, a stream left early, a submitted
@@ -467,6 +494,16 @@ class DistributedRunner:
                 queue_timeout: float | None | EllipsisType = ...) -> aio.AsyncStream:
         """:meth:`stream` for ``async for``; the call is sent at the first item awaited."""
         return aio.AsyncStream(self._queue, input, *self._bounds(timeout, queue_timeout))
+
+    async def acall(self, name: str, /, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`call` for a task."""
+        return await aio.call(self._queue, *self._named(name, args, kwargs, "acall"),
+                              self.call_timeout, self.call_timeout)
+
+    async def acall_all(self, name: str, /, *args: Any, **kwargs: Any) -> list[Any]:
+        """:meth:`call_all` for a task."""
+        return await aio.call(self._queue, *self._named(name, args, kwargs, "acall_all"),
+                              self.call_timeout, self.call_timeout)
 
     async def await_idle(self, timeout: float | None | EllipsisType = ...) -> bool:
         """:meth:`wait_idle` for a task."""

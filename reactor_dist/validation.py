@@ -233,3 +233,42 @@ def warn_if_no_cuda(devices: list[str], gpus: list[int] | None, device: str) -> 
         _warned_auto_cpu = True  # once per process: CPU is a normal place to develop
         log.warning("device=\"auto\" found no CUDA device: the ranks run on CPU "
                     "(pass device=\"cpu\" to say so and silence this)")
+
+
+# Called by the runner itself, never by name: at start (load), at a restart (rejoin),
+# for sessions (snapshot, restore).
+RUNNERS_OWN = ("load", "rejoin", "snapshot", "restore")
+
+
+def check_method_name(worker_cls: type, name: Any, form: str, args: tuple,
+                      kwargs: dict[str, Any]) -> None:
+    """``runner.call(name, ...)`` (``form``: call, call_all, acall, acall_all) runs a
+    public method of the worker on every rank: checked before anything is sent, so a
+    wrong name leaves the runner as it was."""
+    if not isinstance(name, str):
+        raise TypeError(f"{form}() takes the name of a worker method as a str, got {name!r}")
+    cls = worker_cls.__qualname__
+    if name.startswith("_"):
+        raise ValueError(f"{form}({name!r}): a private name; {form}() runs a public method "
+                         f"of {cls} on every rank (a name without a leading underscore)")
+    if name in RUNNERS_OWN:
+        raise ValueError(f"{form}({name!r}): {name}() is the runner's to call (load at "
+                         f"start, rejoin at a restart, snapshot and restore for sessions); "
+                         f"{form}() runs generate, reset and your own methods")
+    if not callable(getattr(worker_cls, name, None)):
+        public = sorted(n for n in dir(worker_cls) if not n.startswith("_")
+                        and n not in RUNNERS_OWN and callable(getattr(worker_cls, n, None)))
+        raise AttributeError(f"{form}({name!r}): {cls} has no method {name!r}; {form}() runs "
+                             f"a public method the worker class defines: "
+                             f"{', '.join(public)}")
+    if name == "generate":
+        if form.endswith("_all"):
+            raise ValueError(f"{form}('generate', ...): generate()'s result is rank 0's; "
+                             f"return what every rank should report from a method of your "
+                             f"own and {form}() that")
+        if len(args) != 1 or kwargs:
+            raise TypeError(f"{form}('generate', ...) takes the input alone, as "
+                            f"generate(input) does; got {len(args)} positional and "
+                            f"{len(kwargs)} keyword arguments")
+    if name == "reset" and (args or kwargs):
+        raise TypeError(f"{form}('reset') takes no arguments, as reset() does")
