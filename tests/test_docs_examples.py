@@ -31,6 +31,8 @@ EXAMPLES = {
     ("docs/bring-your-own-model.md", "torch's own `parallelize_module` and "
                                     "`torch.distributed.device_mesh.DeviceMesh`"):
         (1, "test_docs_examples.py::test_parallelize_module_recipe_runs_as_printed"),
+    ("docs/bring-your-own-model.md", "Calling your own methods on every rank"):
+        (1, "test_docs_examples.py::test_calling_methods_by_name_example_runs_as_printed"),
     ("docs/bring-your-own-model.md", "Binding each rank to its GPU's NUMA node"):
         (1, "test_numa.py::test_the_docs_numa_launch_prefix_binds_each_rank"),
     ("docs/streaming.md", "A generator worker"):
@@ -123,6 +125,13 @@ def test_bring_your_own_model_examples_run_as_printed(tmp_path):
     (runner_group,) = examples(page, "A model that uses the runner's torch group")
     assert run_block(tmp_path, torchrun_style) == "3.0"
     assert run_block(tmp_path, runner_group) == "56.0"
+
+
+def test_calling_methods_by_name_example_runs_as_printed(tmp_path):
+    (block,) = examples("docs/bring-your-own-model.md", "Calling your own methods on every rank")
+    assert run_block(tmp_path, block).splitlines() == [
+        "rank 0: watercolor at 0.8", "['rank 0: ink at 1.0', 'rank 1: ink at 1.0']",
+        "a cat in ink"]
 
 
 def test_streaming_example_runs_as_printed(tmp_path):
