@@ -149,3 +149,41 @@ def test_a_row_above_its_goal_fails_and_so_does_one_not_measured():
          "median 2.00 ms, p90 3.00 ms, 25.0 GB/s; its floor was not measured: FAILED"),
         ("stream: the 50 MB bf16 tensor, one item",
          "median 2.00 ms, p90 3.00 ms, 25.0 GB/s; its floor was not measured: FAILED")]
+
+
+def test_make_bench_has_the_same_rows_judged_the_same_way():
+    from benchmarks.config import Settings
+    from benchmarks.families import frames_gpu
+    from benchmarks.report.results import Results
+    from benchmarks.report.stats import summarize
+
+    results = Results()
+    given = {"floor_d2h": 2.0e-3, "tensor": 2.3e-3, "dataclass": 2.5e-3, "numpy": 90e-3,
+             "floor_h2d": 2.0e-3, "to_device": 2.2e-3, "start": 4.0}
+    for key, seconds in given.items():
+        results.put(frames_gpu.METRIC, key, "seconds", summarize([seconds]))
+    rows = frames_gpu.rows(results, Settings(quick=True))
+    assert [(r.case, r.unit, r.target, r.met) for r in rows] == [
+        ("start() to ready, 1 rank", "s", "", None),
+        ("floor: D2H of the 97 MB uint8 into pinned memory", "ms", "", None),
+        ("floor: H2D of 97 MB from pinned memory", "ms", "", None),
+        ("97 MB uint8 CUDA tensor, steady state", "ms", "≤ 1.2× floor", True),
+        ("a dataclass holding it", "ms", "≤ 1.2× floor", False),
+        ("97 MB returned as .cpu().numpy()", "ms", "", None),
+        ("97 MB input, self.to_device(x) in the worker", "ms", "≤ 1.2× floor", True)]
+    assert [round(r.over_floor, 2) for r in rows if r.floor is not None] == [
+        1.15, 1.25, 45.0, 1.1]
+
+
+def test_make_bench_without_a_gpu_says_so(capsys):
+    from benchmarks.config import Settings
+    from benchmarks.families import frames_gpu
+    from benchmarks.report.results import Results
+
+    results = Results()
+    frames_gpu.measure(Settings(quick=True), results)  # this machine: torch sees no GPU
+    assert results.stats == {} and results.notes == []  # no rows, and no problem
+    assert frames_gpu.rows(results, Settings(quick=True)) == []
+    assert capsys.readouterr().out == (
+        "gpu frames: no CUDA GPU here; the rows of frames between a GPU and the application "
+        "run where one is (make bench, make gpu-check)\n")
