@@ -32,6 +32,7 @@ from . import aio, blocking, validation
 from .call_queue import CLOSED, HEALTHY, NEW, CallQueue
 from .calls import Arguments
 from .errors import RankInfo
+from .main_guard import check_defined_where_ranks_run
 from .observers import Observer, tell
 from .placement import check_ray_options, placement_for
 from .protocol import PINNED_LIMIT, Method
@@ -146,6 +147,7 @@ class DistributedRunner:
         self._world_size = check_world_size(world_size)
         check_methods(worker_cls)
         where = locate(worker_cls)
+        check_defined_where_ranks_run(where)  # not only under the script's main guard
         kwargs = check_load_kwargs(load_kwargs)
         self.call_timeout = _check_timeout("call_timeout", call_timeout)
         self.start_timeout = _check_timeout("start_timeout", start_timeout)

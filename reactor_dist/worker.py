@@ -149,6 +149,10 @@ def import_worker_class(where: WorkerRef) -> type:
         obj: Any = main
     else:
         obj = importlib.import_module(where.module)
-    for part in where.qualname.split("."):
+    for index, part in enumerate(where.qualname.split(".")):
+        if index == 0 and not hasattr(obj, part):
+            from .main_guard import not_found
+
+            raise not_found(where)  # defined where ranks do not run (the main guard)
         obj = getattr(obj, part)
     return obj
