@@ -248,6 +248,7 @@ class CallQueue:
         flight with the same type of error."""
         if self.state is not HEALTHY:
             return
+        self.supervisor.take_output()  # the failed calls' log records before their errors
         note = self.restart_policy(exc)
         self.move(UNUSABLE if note is None else RESTARTING, exc)
         at = at or (self.in_flight[0] if self.in_flight else None)
@@ -753,6 +754,7 @@ class CallQueue:
             self.changed_all()
             return
         answered = perf_counter()
+        self.supervisor.take_output()  # the call's log records before its result or error
         verdict = judge(call.method, self.path.outcomes(call))
         if (self.timings.enabled or self.observers) and not call.left:
             times = (call.started, call.sent, answered, perf_counter())

@@ -414,6 +414,18 @@ class Supervisor:
             elif header[Field.KIND] == Kind.INIT:
                 self.inits_sent += 1
 
+    def take_output(self) -> None:
+        """Forward what the ranks wrote so far (their log records, their lines) now, in
+        this thread: a rank writes a record to its pipe before it sends the reply that
+        follows it, so a call's records reach the caller's logging before its result
+        (the pipe's reader thread alone could be later)."""
+        ranks = self.ranks
+        if ranks is not None:
+            for proc in ranks.procs:
+                output = getattr(proc, "output", None)  # Ray's ranks: Ray forwards theirs
+                if output is not None:
+                    output.drain()
+
     # -- failures ------------------------------------------------------------------------
     def dead(self) -> list[int]:
         """The ranks that have died (no system call while none has)."""

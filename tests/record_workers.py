@@ -26,3 +26,26 @@ class LogsRecords(DistributedWorker):
 
     def reset(self) -> None:
         pass
+
+
+class LogsInEveryCall(DistributedWorker):
+    """Every rank logs a WARNING in every call just before it answers (issue 46, item 3):
+    ``("ok", n)`` returns n, ``("raise", n)`` raises ValueError on every rank,
+    ``("stream", n)`` yields 0, 1, 2 and logs after the last item."""
+
+    def generate(self, x: tuple[str, int], /):
+        mode, n = x
+        if mode == "stream":
+            return self.items(n)
+        log = logging.getLogger("model.calls")
+        log.warning("call %d %s", n, "x" * 2000)  # long: one write, but not a small one
+        if mode == "raise":
+            raise ValueError(f"call {n}")
+        return n
+
+    def items(self, n: int):
+        yield from range(3)
+        logging.getLogger("model.calls").warning("call %d %s", n, "x" * 2000)
+
+    def reset(self) -> None:
+        pass
