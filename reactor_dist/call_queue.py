@@ -755,7 +755,7 @@ class CallQueue:
             return
         answered = perf_counter()
         self.supervisor.take_output()  # the call's log records before its result or error
-        verdict = judge(call.method, self.path.outcomes(call))
+        verdict = judge(call.method, self.path.outcomes(call), self.path.collectives(call))
         if (self.timings.enabled or self.observers) and not call.left:
             times = (call.started, call.sent, answered, perf_counter())
             compute = compute_seconds(call, self.world_size)

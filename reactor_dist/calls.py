@@ -355,6 +355,13 @@ class CallPath:
             return Outcome(Status.UNDELIVERABLE, None, error, type_name(error))
         return Outcome(Status.OK, values)
 
+    def collectives(self, call: Call) -> Any:
+        """What the ranks' collective rings say of ``call`` when a rank did not return
+        (a collective_ring.Report; None: every rank returned, or none recorded one)."""
+        if all(h.get(Field.STATUS) == Status.OK for h, _ in call.replies.values()):
+            return None
+        return self.supervisor.collectives(call.seq)
+
     def outcomes(self, call: Call) -> list[Outcome]:
         """Every rank's Outcome; rank 0's result (every rank's, for ``call_all``, as rank
         0's value) is decoded only when every rank returned and somebody takes it (else

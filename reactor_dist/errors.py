@@ -15,6 +15,7 @@ import pickle
 import traceback
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 from .protocol import ErrorRecord
 
@@ -50,6 +51,9 @@ class RankFailure(RankInfo):
     error: BaseException | None = field(default=None, compare=False)  # what it raised
     call_seq: int | None = None  # the failed call's number; None: outside a call (start())
     method: str | None = None  # the failed call's method ("generate", "reset")
+    # The collective it is in or was last in, in that call, as its ring says
+    # ("waits in all_reduce #2 of call 7 ([4] float32) for 4.0 s"); None: none recorded
+    collective: str | None = None
 
 
 class ReactorDistError(Exception):
@@ -247,10 +251,11 @@ def failed_behind(exc: BaseException, what: str, at: str | None) -> BaseExceptio
 
 
 def timeout_error(headline: str, raised: dict[int, tuple[ErrorRecord, bytes | None]],
-                  stacks: str) -> WorkerTimeout:
+                  stacks: str, collectives: Any = None) -> WorkerTimeout:
     """A WorkerTimeout whose text and attributes keep what the other ranks did: each
     rank that raised meanwhile (``rank_errors``, the first as ``__cause__``, its message
-    and remote traceback in the text)."""
+    and remote traceback in the text); ``collectives`` (a collective_ring.Report): what
+    differs between the ranks' collectives first, and each rank's before the stacks."""
     errors = {rank: rebuild_exception(record, data, rank)
               for rank, (record, data) in raised.items()}
     note = ""
@@ -260,8 +265,12 @@ def timeout_error(headline: str, raised: dict[int, tuple[ErrorRecord, bytes | No
         note += f" ({said}: the silent ranks are probably waiting for it in a collective)"
     tracebacks = "".join(f"[rank {r}] remote traceback:\n{rec.traceback.rstrip()}\n"
                          for r, (rec, _) in raised.items())
-    exc = WorkerTimeout(f"{headline}{note}; the runner is unusable\n{tracebacks}"
-                        f"the silent ranks' stacks:\n{stacks}")
+    first = lines = ""
+    if collectives is not None:
+        first = f"{collectives.headline}\n" if collectives.headline else ""
+        lines = f"the ranks' collectives:{collectives.text()}\n"
+    exc = WorkerTimeout(f"{first}{headline}{note}; the runner is unusable\n{tracebacks}"
+                        f"{lines}the silent ranks' stacks:\n{stacks}")
     exc.rank_errors = errors
     if errors:
         exc.__cause__ = next(iter(errors.values()))

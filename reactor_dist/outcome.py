@@ -9,6 +9,7 @@ supervisor raises them while it waits (:mod:`reactor_dist.supervisor`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -38,11 +39,18 @@ class Verdict(NamedTuple):
     breaks: bool  # the runner is unusable from now on
 
 
-def judge(method: str, outcomes: Sequence[Outcome]) -> Verdict:
-    """The caller's answer to one call whose every rank answered (index = rank)."""
+def judge(method: str, outcomes: Sequence[Outcome], collectives: Any = None) -> Verdict:
+    """The caller's answer to one call whose every rank answered (index = rank).
+    ``collectives`` (a collective_ring.Report of the call, when a rank did not return):
+    ranks that called different collectives, or passed them different tensors, are out
+    of step even when each raised the same exception."""
     world_size = len(outcomes)
     if [o.status for o in outcomes].count(Status.OK) == world_size:
         return Verdict(outcomes[0].value, None, False)
+    lead = lines = ""
+    if collectives is not None:
+        lead = f"{collectives.headline}\n" if collectives.headline else ""
+        lines = f"\nthe ranks' collectives:{collectives.text()}"
     failed = {r: o for r, o in enumerate(outcomes) if o.status == Status.RAISED}
     undelivered = {r: o for r, o in enumerate(outcomes) if o.status == Status.UNDELIVERABLE}
     if undelivered:  # rank 0's result (or, for call_all, any rank's) could not be sent
@@ -55,17 +63,26 @@ def judge(method: str, outcomes: Sequence[Outcome]) -> Verdict:
     if len(failed) == world_size:
         types = {r: o.error_type for r, o in failed.items()}
         if len(set(types.values())) == 1:
-            return Verdict(None, errors[0], False)
-        named = ", ".join(f"rank {r} raised {t}" for r, t in types.items())
-        desync = RankDesync(f"ranks raised different exception types in {method}(): {named}"
-                            f"{UNUSABLE_ENDING}")
+            if collectives is None or not collectives.differ:
+                return Verdict(None, errors[0], False)
+            desync = RankDesync(f"{lead}every rank raised {types[0]} in {method}(), but "
+                                f"in different collectives: the ranks are out of step"
+                                f"{UNUSABLE_ENDING}{lines}")
+        else:
+            named = ", ".join(f"rank {r} raised {t}" for r, t in types.items())
+            desync = RankDesync(f"{lead}ranks raised different exception types in "
+                                f"{method}(): {named}{UNUSABLE_ENDING}{lines}")
     else:
         first = next(iter(failed))
         returned = [r for r in range(world_size) if r not in failed]
         desync = RankDesync(
-            f"rank {first} raised {failed[first].error_type} in {method}() while rank "
-            f"{', '.join(map(str, returned))} returned: the ranks are out of step{UNUSABLE_ENDING}")
+            f"{lead}rank {first} raised {failed[first].error_type} in {method}() while rank "
+            f"{', '.join(map(str, returned))} returned: the ranks are out of step"
+            f"{UNUSABLE_ENDING}{lines}")
     desync.__cause__ = next(iter(errors.values()))
     desync.rank_errors = errors
-    desync.failures = tuple(o.failure for o in failed.values() if o.failure is not None)
+    desync.failures = tuple(
+        o.failure if collectives is None else
+        dataclasses.replace(o.failure, collective=collectives.lines.get(o.failure.rank))
+        for o in failed.values() if o.failure is not None)
     return Verdict(None, desync, True)

@@ -50,6 +50,7 @@ import psutil
 import zmq
 
 from . import collective_wait, records, shm, transfer, wire
+from .collective_ring import ring_name
 from .device import choose_device, wait_for_device
 from .errors import SharedMemoryExhausted, describe, pickle_exception
 from .group import Rendezvous, block_abort_signal, watch_abort
@@ -276,6 +277,10 @@ class RankServer:
         elif self.call(header, body) == Status.RAISED:
             self.raised_in = seq
 
+    def ring_path(self) -> str:
+        """This rank's collective ring, made by the caller (collective_ring)."""
+        return os.path.join(self.boot.shm_dir, ring_name(self.boot.shm_prefix, self.rank))
+
     def private_dir(self) -> str:
         """The runner's private 0700 directory (it holds the sockets and the store);
         "" for a rank on another node than the runner."""
@@ -311,7 +316,7 @@ class RankServer:
                 self.epoch = self.rendezvous.epoch = header.get(Field.EPOCH, 0)
                 self.rendezvous.form_group(device, port)
                 reply[Field.GROUP_SECONDS] = time.perf_counter() - began
-                self.waits = collective_wait.install(device)
+                self.waits = collective_wait.install(device, self.ring_path(), self.world_size)
             self.progress.phase(LOADING)
             began = time.perf_counter()
             self.worker = self.boot_worker(device, self.rank)
@@ -344,8 +349,9 @@ class RankServer:
             if self.boot.init_process_group and self.world_size > 1:
                 reply[Field.GROUP_SECONDS] = self.rendezvous.rejoin(
                     self.device, self.epoch, header.get(Field.PORT) or 0, ack)
-                if self.waits is None:  # a spare's first group
-                    self.waits = collective_wait.install(self.device)
+                # a spare's first group, or a kept rank (its ring again: the rank it is)
+                self.waits = collective_wait.install(self.device, self.ring_path(),
+                                                     self.world_size)
             else:
                 ack(0)
             began = time.perf_counter()
@@ -394,7 +400,7 @@ class RankServer:
             header.get(Field.DIGEST) else None
         began = 0.0
         if self.waits is not None:
-            self.waits.begin()
+            self.waits.begin(header[Field.SEQ])
         try:
             if method == Method.SNAPSHOT:
                 began = time.perf_counter()

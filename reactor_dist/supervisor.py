@@ -29,11 +29,12 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
+from struct import error as struct_error
 from typing import Any, NamedTuple
 
 import zmq
 
-from . import descriptors, records, shm, timeouts, transfer
+from . import collective_ring, descriptors, records, shm, timeouts, transfer
 from .bus import Bus, CommandBlocked, private_dir, reclaim_dead_ipc_dirs
 from .errors import (
     MainGuardMissing,
@@ -120,6 +121,7 @@ class Supervisor:
         self.load_seconds: dict[int, float] = {}  # each rank's last load() (READY)
         self.inputs = Ledger(shm_dir, self.shm_prefix, "in", keep_free=keep_free)
         self.results = Mapped(lambda name: shm.Segment.open(shm_dir, name), self._ours)
+        self.rings: list[shm.Segment] = []  # each rank's collective ring (collective_ring)
         self.bus: Bus | None = None
         self.releaser: Releaser | None = None
         self.ranks: Ranks | None = None
@@ -160,6 +162,7 @@ class Supervisor:
             self._holds_templates = True
         self._owner_lock = shm.hold_owner_lock(self.shm_dir, self.shm_prefix)
         shm.reclaim_dead_owners(self.shm_dir)
+        self.make_rings()
         reclaim_dead_ipc_dirs()
         self.ipc_dir, self._dir_lock = private_dir()
         self.bus = Bus(self.secret, self.ipc_dir, self.world_size)
@@ -427,6 +430,36 @@ class Supervisor:
                     output.drain()
 
     # -- failures ------------------------------------------------------------------------
+    def make_rings(self) -> None:
+        """Each rank's collective ring, before the ranks start: the caller makes and maps
+        them, so that it reads them after a rank died (collective_ring)."""
+        if self.rings or self.world_size < 2 or not self._init_process_group:
+            return
+        for rank in range(self.world_size):
+            segment = shm.Segment.create(self.shm_dir,
+                                         collective_ring.ring_name(self.shm_prefix, rank),
+                                         collective_ring.SIZE, "a collective ring")
+            collective_ring.fresh(segment.mm)
+            self.rings.append(segment)
+
+    def collectives(self, seq: int | None, dead: Sequence[int] = ()
+                    ) -> collective_ring.Report | None:
+        """What every rank's ring says of call ``seq`` (None: the latest recorded), read
+        here with no help from the ranks; None when none recorded a collective."""
+        if not self.rings:
+            return None
+        try:
+            rings = {r: collective_ring.read(segment.mm) for r, segment in enumerate(self.rings)}
+        except (ValueError, struct_error):  # closed meanwhile, or a torn header
+            return None
+        return collective_ring.report(rings, seq, dead)
+
+    def with_collectives(self, error: Any, report: collective_ring.Report | None) -> None:
+        """Each failure record of ``error`` gets its rank's collective line."""
+        if report is not None:
+            error.failures = tuple(dataclasses.replace(f, collective=report.lines.get(f.rank))
+                                   for f in error.failures)
+
     def dead(self) -> list[int]:
         """The ranks that have died (no system call while none has)."""
         return self.ranks.dead() if self.ranks is not None else []
@@ -450,9 +483,13 @@ class Supervisor:
         """The WorkerCrashed of the ``dead`` ranks, their records in ``failures``;
         ``seq``, ``method``: the call they died in (None: outside a call)."""
         assert self.ranks is not None
-        error = WorkerCrashed(f"rank {', '.join(map(str, dead))} died during {what}: "
-                              f"{self.ranks.crash_report(dead)}")
+        report = self.collectives(seq, dead)
+        first = f"{report.headline}\n" if report is not None and report.headline else ""
+        lines = f"\nthe ranks' collectives:{report.text()}" if report is not None else ""
+        error = WorkerCrashed(f"{first}rank {', '.join(map(str, dead))} died during {what}: "
+                              f"{self.ranks.crash_report(dead)}{lines}")
         error.failures = self.ranks.failures(dead, self.devices, seq=seq, method=method)
+        self.with_collectives(error, report)
         log.error("%s", error)
         return error
 
@@ -472,13 +509,15 @@ class Supervisor:
         bound = {"start()": " (start_timeout: raise it if load() really takes longer)",
                  "restart()": " (restart(timeout=), start_timeout by default: raise it if "
                               "load() really takes longer)"}.get(what, "")
+        report = self.collectives(seq, self.ranks.dead()) if seq is not None else None
         error = timeout_error(f"no answer from rank {', '.join(map(str, silent))} within "
                               f"{timeout:g} s during {what}{bound}", raised,
-                              self.ranks.stacks(silent))
+                              self.ranks.stacks(silent), report)
         error.failures = (
             self.ranks.failures(silent, self.devices, seq=seq, method=method) +
             self.ranks.failures(list(raised), self.devices, seq=seq, method=method,
                                 errors=error.rank_errors, answered=True))
+        self.with_collectives(error, report)
         return error
 
     def not_taken(self, timeout: float | None, what: str,
@@ -546,7 +585,10 @@ class Supervisor:
             os.close(self._dir_lock)
         self.inputs.close()
         self.results.close()
-        shm.remove_prefix(self.shm_dir, self.shm_prefix)  # the lock file too
+        for segment in self.rings:
+            segment.close()
+        self.rings = []
+        shm.remove_prefix(self.shm_dir, self.shm_prefix)  # the lock file too (the rings)
         if self._owner_lock >= 0:
             os.close(self._owner_lock)
             self._owner_lock = -1

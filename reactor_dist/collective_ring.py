@@ -1,0 +1,365 @@
+"""Each rank's recent collectives, in a ring in shared memory the caller reads by itself.
+
+Why: a hang or a mismatch in a collective is the hardest failure of a parallel model,
+and the rank that has it cannot tell: it waits, or gloo aborts its process.  So each
+rank writes every collective it enters (its kind, group, tensors' shapes and dtypes,
+its number within the call) and whether it left it, into a small ``/dev/shm`` file of
+the runner's (``<runner prefix>.coll<rank>``, created by the caller before the ranks
+start, removed with the runner's other entries).  The caller maps them all and reads
+them while a rank hangs, and after it died, with no help from the rank; :func:`report`
+compares the ranks' entries of one call and says what differs in one line.
+
+Layout: a header of :data:`ENTRY` bytes (magic, slots, entries written so far), then
+:data:`SLOTS` entries of :data:`ENTRY` bytes; entry ``n`` lives in slot ``n % SLOTS``.
+The rank writes an entry whole, then bumps the count; leaving is one byte (its state).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+MAGIC = 0x52444352  # "RDCR"
+SLOTS = 256  # entries kept per rank: the calls a report can look back over
+ENTRY = 128
+SIZE = ENTRY * (SLOTS + 1)
+HEAD = struct.Struct("<IHHIQ")  # magic, version, entry size, slots, entries written
+COUNT_AT = 12
+# seq, index (in its group, within the call), number (of its kind, within the call),
+# state, kind, tensors recorded, group size (0: every rank), group hash (0: every rank),
+# entered (CLOCK_MONOTONIC, the same clock in every process of the machine), peer
+FIXED = struct.Struct("<IHHBBBBIdi")
+GROUP_AT, GROUP_RANKS = 32, 8  # the group's first ranks, u16 each (0xFFFF: none)
+GROUP = struct.Struct("<8H")
+TENSOR_AT, TENSORS, DIMS = 48, 2, 8
+TENSOR = struct.Struct("<BBH8I")  # dtype, dims, list length (0: one tensor), sizes
+STATE_AT = 8
+
+EMPTY, IN, QUEUED, WAITING, LEFT, RAISED = range(6)
+BIG = 0xFFFFFFFF  # a size that does not fit: shown as "huge"
+
+# Collectives whose tensors may differ between ranks by design, and point-to-point ones
+# (aligned apart: two ranks' sends and receives are not the same collective).
+UNEVEN = frozenset({"all_to_all", "all_to_all_single", "funcol.all_to_all_single",
+                    "funcol.permute_tensor"})
+POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv"})
+
+KINDS: tuple[str, ...] = (
+    "?", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+    "reduce_scatter_tensor", "broadcast", "barrier", "monitored_barrier", "all_to_all",
+    "all_to_all_single", "gather", "scatter", "reduce", "send", "recv", "isend", "irecv",
+    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+    "funcol.all_reduce", "funcol.all_gather_tensor", "funcol.all_gather_tensor_autograd",
+    "funcol.reduce_scatter_tensor", "funcol.reduce_scatter_tensor_autograd",
+    "funcol.all_to_all_single", "funcol.all_to_all_single_autograd", "funcol.broadcast",
+    "funcol.permute_tensor", "funcol.all_reduce_coalesced",
+    "funcol.all_gather_into_tensor_coalesced", "funcol.reduce_scatter_tensor_coalesced",
+)
+KIND_CODE = {name: code for code, name in enumerate(KINDS)}
+DTYPES: tuple[str, ...] = (
+    "?", "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+    "uint8", "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16",
+    "uint32", "uint64",
+)
+
+
+def ring_name(prefix: str, rank: int) -> str:
+    """Rank ``rank``'s ring among the runner's /dev/shm entries (``<prefix>.coll<rank>``)."""
+    return f"{prefix}.coll{rank}"
+
+
+def fresh(buffer: mmap.mmap) -> None:
+    """Write an empty ring's header (the caller, before the ranks start)."""
+    HEAD.pack_into(buffer, 0, MAGIC, 1, ENTRY, SLOTS, 0)
+
+
+class Writer:
+    """A rank's side: enter a collective (an entry), then mark its state in one byte."""
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.mm = mmap.mmap(fd, SIZE, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        magic, _, _, _, self.count = HEAD.unpack_from(self.mm, 0)
+        if magic != MAGIC:
+            raise ValueError(f"{path} is not a collective ring")
+        self.seq = 0
+        self.index: dict[int, int] = {}  # per group hash: collectives so far in this call
+        self.number: dict[int, int] = {}  # per kind: collectives so far in this call
+
+    def begin(self, seq: int) -> None:
+        """A call begins: its collectives are numbered from 1."""
+        self.seq = seq
+        self.index.clear()
+        self.number.clear()
+
+    def enter(self, kind: int, tensors: Sequence, group: tuple[int, tuple[int, ...]],
+              peer: int = -1) -> int:
+        """One collective entered: its entry written whole; the entry's number."""
+        n = self.count
+        at = ENTRY * (1 + n % SLOTS)
+        mm = self.mm
+        ghash, granks = group
+        index = self.index[ghash] = self.index.get(ghash, 0) + 1
+        number = self.number[kind] = self.number.get(kind, 0) + 1
+        FIXED.pack_into(mm, at, self.seq, index & 0xFFFF, number & 0xFFFF, IN, kind,
+                        len(tensors), len(granks), ghash, time.monotonic(), peer)
+        if granks:
+            GROUP.pack_into(mm, at + GROUP_AT, *(granks + (0xFFFF,) * GROUP_RANKS)[:GROUP_RANKS])
+        for i, (dtype, shape, listed) in enumerate(tensors):
+            dims = [min(int(d), BIG) for d in shape[:DIMS]]
+            TENSOR.pack_into(mm, at + TENSOR_AT + i * TENSOR.size, dtype, len(shape),
+                             listed, *dims, *(0,) * (DIMS - len(dims)))
+        self.count = n + 1
+        struct.pack_into("<Q", mm, COUNT_AT, n + 1)
+        return n
+
+    def mark(self, n: int, state: int) -> None:
+        """Entry ``n`` (of :meth:`enter`) is now in ``state`` (unless overwritten)."""
+        if self.count - n <= SLOTS:
+            self.mm[ENTRY * (1 + n % SLOTS) + STATE_AT] = state
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One collective of one rank, as the caller reads it."""
+
+    seq: int
+    index: int
+    number: int
+    state: int
+    kind: str
+    group: tuple[int, ...]  # its ranks (the first 8); () for every rank
+    group_hash: int
+    entered: float
+    peer: int
+    tensors: tuple[tuple[str, tuple[int, ...] | None, int], ...]  # dtype, shape, list
+
+    @property
+    def name(self) -> str:
+        """``all_reduce #2 of call 7`` (``of load()``: outside a call)."""
+        where = f"call {self.seq}" if self.seq else "load() or rejoin()"
+        group = "" if not self.group_hash else \
+            f" in the group of ranks {', '.join(map(str, self.group))}"
+        return f"{self.kind} #{self.number}{group} of {where}"
+
+    @property
+    def shapes(self) -> str:
+        """What it was given: ``[4] float32``, ``2 x [4] float32``, or ``no tensor``."""
+        if not self.tensors:
+            return "no tensor"
+        parts = []
+        for dtype, shape, listed in self.tensors:
+            dims = "[?]" if shape is None else \
+                f"[{', '.join('huge' if d == BIG else str(d) for d in shape)}]"
+            parts.append(f"{listed} x {dims} {dtype}" if listed else f"{dims} {dtype}")
+        return ", ".join(parts)
+
+
+def read(buffer: mmap.mmap | bytes) -> list[Entry]:
+    """Every entry a ring holds, oldest first (the caller's side; no lock: a rank that
+    writes meanwhile is running, and its last entry may be half new)."""
+    magic, _, size, slots, count = HEAD.unpack_from(buffer, 0)
+    if magic != MAGIC or size != ENTRY or slots != SLOTS:
+        return []
+    entries = []
+    for n in range(max(0, count - SLOTS), count):
+        at = ENTRY * (1 + n % SLOTS)
+        seq, index, number, state, kind, ntensors, gsize, ghash, entered, peer = \
+            FIXED.unpack_from(buffer, at)
+        group = tuple(r for r in GROUP.unpack_from(buffer, at + GROUP_AT)[:gsize]
+                      if r != 0xFFFF)
+        tensors = []
+        for i in range(min(ntensors, TENSORS)):
+            dtype, ndim, listed, *dims = TENSOR.unpack_from(buffer, at + TENSOR_AT +
+                                                           i * TENSOR.size)
+            shape = tuple(dims[:ndim]) if ndim <= DIMS else None
+            tensors.append((DTYPES[dtype] if dtype < len(DTYPES) else "?", shape, listed))
+        entries.append(Entry(seq, index, number, state,
+                             KINDS[kind] if kind < len(KINDS) else "?", group, ghash,
+                             entered, peer, tuple(tensors)))
+    return entries
+
+
+def group_key(ranks: Sequence[int], world_size: int) -> tuple[int, tuple[int, ...]]:
+    """A group's hash and ranks as entries keep them; (0, ()) for every rank."""
+    ranks = tuple(ranks)
+    if ranks == tuple(range(world_size)):
+        return 0, ()
+    return (zlib.crc32(struct.pack(f"<{len(ranks)}i", *ranks)) or 1), ranks
+
+
+# -- the report ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Report:
+    """What the rings say of one call: one line on what is wrong (``headline``; "" when
+    nothing differs), each rank's collective (``lines``), whether the ranks disagree."""
+
+    headline: str
+    lines: dict[int, str]
+    differ: bool  # the ranks called different collectives or passed different tensors
+
+    def text(self) -> str:
+        """The per-rank lines, for an error's message."""
+        return "".join(f"\n  rank {r}: {line}" for r, line in sorted(self.lines.items()))
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+
+
+def describe(entry: Entry | None, dead: bool, now: float) -> str:
+    """One rank's collective, for its line and its failure record."""
+    if entry is None:
+        return "no collective recorded in this call"
+    what = f"{entry.name} ({entry.shapes})"
+    if entry.state in (IN, WAITING):
+        verb = "died in" if dead else "waits in"
+        return f"{verb} {what} for {max(now - entry.entered, 0.0):.1f} s" if not dead \
+            else f"{verb} {what}"
+    if entry.state == QUEUED:
+        return f"{'died after queueing' if dead else 'queued'} {what} (not waited for)"
+    if entry.state == RAISED:
+        return f"raised in {what}"
+    return f"{'died after' if dead else 'last left'} {what}"
+
+
+def inside(entry: Entry | None) -> bool:
+    return entry is not None and entry.state in (IN, WAITING, RAISED)
+
+
+def report(rings: dict[int, list[Entry]], seq: int | None, dead: Iterable[int] = (),
+           world_size: int | None = None) -> Report | None:
+    """Compare the ranks' collectives of call ``seq`` (None: the latest any rank
+    recorded); None when no rank recorded one."""
+    dead = set(dead)
+    if not any(rings.values()):
+        return None
+    if seq is None:
+        seq = max((e.seq for entries in rings.values() for e in entries), default=0)
+    now = time.monotonic()
+    mine = {r: [e for e in entries if e.seq == seq] for r, entries in rings.items()}
+    lines = {r: describe(entries[-1] if entries else None, r in dead, now)
+             for r, entries in mine.items()}
+    if not any(mine.values()):
+        return None
+    headline, differ = compare(mine, dead)
+    return Report(headline, lines, differ)
+
+
+def compare(mine: dict[int, list[Entry]], dead: set[int]) -> tuple[str, bool]:
+    """The one line on what differs between the ranks' collectives of one call."""
+    groups: dict[int, tuple[int, ...]] = {0: tuple(sorted(mine))}
+    for entries in mine.values():
+        for e in entries:
+            if e.group_hash and e.kind not in POINT_TO_POINT:
+                groups.setdefault(e.group_hash, e.group)
+    found: list[tuple[str, bool]] = []
+    for ghash, members in groups.items():
+        members = tuple(r for r in members if r in mine)
+        by_rank = {r: {e.index: e for e in mine[r]
+                       if e.group_hash == ghash and e.kind not in POINT_TO_POINT}
+                   for r in members}
+        line = compare_group(by_rank, dead)
+        if line is not None:
+            found.append(line)
+    differing = [f for f in found if f[1]]
+    if differing:
+        return differing[0]
+    return found[0] if found else ("", False)
+
+
+def compare_group(by_rank: dict[int, dict[int, Entry]], dead: set[int]
+                  ) -> tuple[str, bool] | None:
+    if not by_rank or not any(by_rank.values()):
+        return None
+    reached = {r: max(entries, default=0) for r, entries in by_rank.items()}
+    common = min(reached.values())
+    for index in range(1, common + 1):
+        at = {r: entries[index] for r, entries in by_rank.items() if index in entries}
+        if len(at) < len(by_rank):
+            continue  # overwritten in a ring: not comparable
+        kinds = {e.kind for e in at.values()}
+        if len(kinds) > 1:
+            parts = []
+            for kind_entries in grouped(at, lambda e: (e.kind, e.number)):
+                ranks, e = kind_entries
+                verb = "is in" if not parts else "in"
+                if not parts and len(ranks) > 1:
+                    verb = "are in"
+                parts.append(f"{ranks_text(ranks)} {verb} {e.kind} #{e.number}")
+            seq = next(iter(at.values())).seq
+            where = f"call {seq}" if seq else "load() or rejoin()"
+            return (f"{', '.join(parts)} of {where} — the ranks called different "
+                    f"collectives", True)
+        first = next(iter(at.values()))
+        if first.kind not in UNEVEN:
+            given = {r: e.tensors for r, e in at.items()}
+            if len(set(given.values())) > 1:
+                what = "dtypes" if len({tuple(s for _, s, _ in t) for t in given.values()}) \
+                    == 1 else "shapes"
+                parts = []
+                for ranks, e in grouped(at, lambda e: e.tensors):
+                    parts.append(f"{ranks_text(ranks)} {'has' if len(ranks) == 1 else 'have'} "
+                                 f"{e.shapes}")
+                return f"{first.name}: {', '.join(parts)} — the {what} differ", True
+    if common < max(reached.values()):
+        index = common + 1
+        ahead = {r: entries[index] for r, entries in by_rank.items() if index in entries}
+        behind = [r for r, n in reached.items() if n < index]
+        e = next(iter(ahead.values()))
+        died_in = [r for r, a in ahead.items() if r in dead and inside(a)]
+        if died_in:  # a rank died inside it: that first, then who never entered it
+            waiting = [r for r, a in ahead.items() if r not in dead and inside(a)]
+            said = [f"{ranks_text(behind)} never entered it"]
+            if waiting:
+                said.insert(0, f"{ranks_text(waiting)} {'waits' if len(waiting) == 1 else 'wait'} "
+                               f"in it")
+            return f"{ranks_text(died_in)} died inside {e.name}; {', '.join(said)}", False
+        waiting = [r for r, a in ahead.items() if a.state in (IN, WAITING) and r not in dead]
+        others = [r for r in ahead if r not in waiting]
+        said = []
+        if waiting:
+            said.append(f"{ranks_text(waiting)} {'waits' if len(waiting) == 1 else 'wait'} "
+                        f"in it")
+        if others:
+            said.append(f"{ranks_text(others)} entered it")
+        missing = [r for r in behind if r not in dead] or behind
+        gone = [r for r in behind if r in dead]
+        never = f"{ranks_text(missing)} never entered {e.name}"
+        if gone and len(gone) < len(behind):
+            never += f" ({ranks_text(gone)} died before it)"
+        elif gone:
+            never = f"{ranks_text(gone)} died before entering {e.name}"
+        return f"{never}; {', '.join(said)}", True
+    died_in = [r for r in by_rank if r in dead and inside(by_rank[r].get(reached[r]))]
+    if died_in:
+        e = by_rank[died_in[0]][reached[died_in[0]]]
+        others = [r for r in by_rank if r not in dead]
+        waiting = [r for r in others if inside(by_rank[r].get(e.index))]
+        said = f"; {ranks_text(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in it" \
+            if waiting else ""
+        return f"{ranks_text(died_in)} died inside {e.name}{said}", False
+    waiting = [r for r in by_rank if inside(by_rank[r].get(reached[r]))]
+    if waiting and len(waiting) == len(by_rank):
+        e = by_rank[waiting[0]][reached[waiting[0]]]
+        return f"every rank waits in {e.name}, with the same tensors", False
+    return None
+
+
+def grouped(at: dict[int, Entry], key) -> list[tuple[list[int], Entry]]:
+    """The ranks of ``at`` grouped by ``key`` of their entry, in rank order."""
+    out: dict = {}
+    for r in sorted(at):
+        out.setdefault(key(at[r]), ([], at[r]))[0].append(r)
+    return list(out.values())
