@@ -1,0 +1,127 @@
+"""A hang or a mismatch in a collective names the rank, the collective and the shapes
+(issue 45): each rank's ring in /dev/shm, read by the caller while a rank hangs and
+after it died, at world_size 2 and 3, on CPU with gloo.
+
+The last rank of ``Collectives`` does what each case says (tests/collective_workers.py);
+each test asserts the error's type, its first line exactly, each rank's line, and each
+failure record's ``collective``."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+from collective_workers import Collectives
+
+from reactor_dist import (
+    DistributedRunner,
+    RankDesync,
+    WorkerCrashed,
+    WorkerTimeout,
+    collective_ring,
+)
+from reactor_dist.collective_ring import Entry, report
+
+CALL = 2  # generate("ok") is call 1, the case call 2
+
+EXPECTED = {
+    # case: (type, {world_size: first line})
+    "skip": (WorkerTimeout, {
+        2: "rank 1 never entered all_reduce #2 of call 2; rank 0 waits in it",
+        3: "rank 2 never entered all_reduce #2 of call 2; ranks 0 and 1 wait in it"}),
+    "shape": (WorkerCrashed, {
+        2: "all_reduce #1 of call 2: rank 0 has [4] float32, rank 1 has [8] float32 — "
+           "the shapes differ",
+        3: "all_reduce #1 of call 2: ranks 0 and 1 have [4] float32, rank 2 has [8] "
+           "float32 — the shapes differ"}),
+    "kind": (WorkerTimeout, {
+        2: "rank 0 is in all_reduce #1, rank 1 in broadcast #1 of call 2 — the ranks "
+           "called different collectives",
+        3: "ranks 0 and 1 are in all_reduce #1, rank 2 in broadcast #1 of call 2 — the "
+           "ranks called different collectives"}),
+    "kind_raise": (RankDesync, {
+        2: "rank 0 is in all_reduce #1, rank 1 in broadcast #1 of call 2 — the ranks "
+           "called different collectives",
+        3: "ranks 0 and 1 are in all_reduce #1, rank 2 in broadcast #1 of call 2 — the "
+           "ranks called different collectives"}),
+    "die": (WorkerCrashed, {
+        2: "rank 1 died inside all_reduce #1 of call 2; rank 0 never entered it",
+        3: "rank 2 died inside all_reduce #1 of call 2; rank 1 waits in it, rank 0 never "
+           "entered it"}),
+}
+# Each rank's line in the message, per case: a pattern (the seconds and some states
+# depend on timing: a survivor may still wait or have raised when the report is read)
+SHAPE = r"\(\[4\] float32\)"
+FOR = r"( for [\d.]+ s)?"  # how long it has waited, when it still waits
+LINES = {
+    "skip": lambda r, last: (rf"last left all_reduce #1 of call 2 {SHAPE}" if r == last
+                             else rf"waits in all_reduce #2 of call 2 {SHAPE} for [\d.]+ s"),
+    "shape": lambda r, last: (r"(waits in|raised in|died in) all_reduce #1 of call 2 "
+                              + (r"\(\[8\] float32\)" if r == last else SHAPE)
+                              + FOR),
+    "kind": lambda r, last: (rf"waits in {'broadcast' if r == last else 'all_reduce'} #1 "
+                             rf"of call 2 {SHAPE} for [\d.]+ s"),
+    "kind_raise": lambda r, last: (rf"raised in {'broadcast' if r == last else 'all_reduce'}"
+                                   rf" #1 of call 2 {SHAPE}"),
+    "die": lambda r, last: (rf"died in all_reduce #1 of call 2 {SHAPE}" if r == last else
+                            "no collective recorded in this call" if r == 0 else
+                            rf"(waits in|raised in) all_reduce #1 of call 2 {SHAPE}{FOR}"),
+}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("case", list(EXPECTED))
+def test_the_error_says_which_collective_differs_and_where_each_rank_is(case, world_size):
+    kind, first_lines = EXPECTED[case]
+    last = world_size - 1
+    with DistributedRunner(Collectives, world_size=world_size, device="cpu",
+                           call_timeout=3.0, start_timeout=60, shutdown_grace=1.0) as runner:
+        assert runner.generate("ok") == 4 * world_size * world_size  # two all_reduces
+        with pytest.raises(kind) as caught:
+            runner.generate(case)
+    error = caught.value
+    text = str(error)
+    assert text.split("\n")[0] == first_lines[world_size]
+    block = text.split("the ranks' collectives:\n", 1)[1].split("\nthe silent", 1)[0]
+    got = dict(re.findall(r"^  rank (\d+): (.*)$", block, re.M))
+    assert sorted(map(int, got)) == list(range(world_size))
+    for rank, line in got.items():
+        assert re.fullmatch(LINES[case](int(rank), last), line), (rank, line)
+    records = {f.rank: f.collective for f in error.failures}
+    assert records and all(records[r] == got[str(r)] for r in records)
+
+
+def test_each_rank_has_a_ring_in_dev_shm_while_started_and_none_after():
+    with DistributedRunner(Collectives, world_size=2, device="cpu", call_timeout=10.0) as runner:
+        assert runner.generate("ok") == 16
+        rings = sorted(n for n in os.listdir("/dev/shm") if ".coll" in n and
+                       n.startswith("rdist.") and str(os.getpid()) in n)
+        assert [n.rsplit(".", 1)[1] for n in rings] == ["coll0", "coll1"]
+        with open(os.path.join("/dev/shm", rings[1]), "rb") as f:
+            entries = collective_ring.read(f.read())
+        assert [(e.seq, e.index, e.kind, e.state, e.shapes) for e in entries[-2:]] == [
+            (1, 1, "all_reduce", collective_ring.LEFT, "[4] float32"),
+            (1, 2, "all_reduce", collective_ring.LEFT, "[4] float32")]
+    assert not [n for n in os.listdir("/dev/shm") if ".coll" in n and str(os.getpid()) in n]
+
+
+def entry(seq: int, index: int, kind: str, state: int, shape: tuple[int, ...] = (4,),
+          dtype: str = "float32", group: tuple[int, ...] = (), number: int | None = None
+          ) -> Entry:
+    return Entry(seq, index, index if number is None else number, state, kind, group,
+                 1 if group else 0, 0.0, -1, ((dtype, shape, 0),))
+
+
+def test_the_report_of_dtypes_and_of_a_subgroup():
+    IN = collective_ring.IN
+    dtypes = report({0: [entry(5, 1, "all_reduce", IN)],
+                     1: [entry(5, 1, "all_reduce", IN, dtype="bfloat16")]}, 5)
+    assert dtypes.headline == ("all_reduce #1 of call 5: rank 0 has [4] float32, rank 1 "
+                               "has [4] bfloat16 — the dtypes differ")
+    assert dtypes.differ
+    sub = report({0: [entry(5, 1, "all_gather", IN, group=(0, 2))], 1: [],
+                  2: [entry(5, 1, "all_gather", collective_ring.LEFT, group=(0, 2))]}, 5)
+    assert sub.headline == ""  # rank 1 is no member of the group: nothing differs
+    assert sub.lines[1] == "no collective recorded in this call"
+    assert report({0: [], 1: []}, 5) is None
