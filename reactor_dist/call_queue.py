@@ -59,6 +59,7 @@ import asyncio
 import collections
 import contextlib
 import enum
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -71,6 +72,7 @@ import zmq
 from . import timeouts
 from .calls import Call, CallPath, collective_wait_seconds, compute_seconds
 from .errors import CallQueueFull, WorkerCrashed, WorkerTimeout, failed_behind, queue_full
+from .fault_log import one_line
 from .observers import CANCELLED, CRASHED, DESYNC, OK, RAISED, TIMED_OUT, Observer, tell
 from .outcome import UNUSABLE_ENDING, judge
 from .protocol import Field, Kind, Method, Status
@@ -149,6 +151,7 @@ class Waker:
 
 
 
+log = logging.getLogger("reactor_dist")
 NOT_REPLAYED = "this call is not replayed"
 SENT_AGAIN = "this call is sent again after it (retry_failed)"
 SENT_TWICE = "this call was sent again once already: retry_failed sends a call once"
@@ -242,33 +245,46 @@ class CallQueue:
                            f"{str(failure).removesuffix(UNUSABLE_ENDING)}{self.budget_note()}. "
                            f"{then}") from failure
 
-    def broken(self, exc: BaseException, at: Call | None = None) -> None:
+    def broken(self, exc: BaseException, at: Call | None = None,
+               raised: bool = False) -> None:
         """The runner is unusable from now on (or restarts itself, if the budget allows):
         ``at`` (default: the call the ranks run) fails with ``exc``, every other call in
-        flight with the same type of error."""
+        flight with the same type of error.  ``raised``: a caller gets ``exc`` itself.
+        The fault's one log line: ERROR when a caller sees it, WARNING when none does
+        (retry_failed sends the failed calls again after the restart it begins)."""
         if self.state is not HEALTHY:
             return
         self.supervisor.take_output()  # the failed calls' log records before their errors
+        said = one_line(exc)  # before the restart's note goes into its message
         note = self.restart_policy(exc)
         self.move(UNUSABLE if note is None else RESTARTING, exc)
         at = at or (self.in_flight[0] if self.in_flight else None)
         if isinstance(exc, WorkerCrashed) and self.observers:
             self.observers = tell(self.observers, "died", self.supervisor.dead())
-        self.fail_in_flight(lambda call: exc if call is at else failed_behind(
+        seen = self.fail_in_flight(lambda call: exc if call is at else failed_behind(
             exc, call.what, at.what if at is not None else None), note,
             CRASHED if isinstance(exc, WorkerCrashed) else
             TIMED_OUT if isinstance(exc, WorkerTimeout) else DESYNC,
             retry=note is not None and self.retry_failed)
         if note is not None:  # raised by a call not yet in flight (a death while idle)
             say_restarting(exc, note, SENT_AGAIN if self.retry_failed else NOT_REPLAYED)
+        if note is None or seen or raised:
+            log.error("%s", said if note is None else f"{said}; {note}")
+        else:  # no caller saw it
+            again = ", ".join(call.what for call, _ in self.retrying)
+            log.warning("%s; %s; %s", said, note,
+                        f"retry_failed sends {again} again: no caller saw an error" if again
+                        else "no call failed: no caller saw an error")
 
     def fail_in_flight(self, error_of: Callable[[Call], BaseException],
                        note: str | None = None, outcome: str = CANCELLED,
-                       retry: bool = False) -> None:
+                       retry: bool = False) -> int:
         """Every call in flight fails; the callers waiting for a turn keep it (they wait
         for a restart, or see why they cannot send).  ``retry`` (retry_failed, an
         automatic restart begins): a call somebody takes, sent once so far, waits to be
-        sent again instead, its error kept for a restart that fails."""
+        sent again instead, its error kept for a restart that fails.  How many errors a
+        caller takes."""
+        seen = 0
         for call in self.in_flight:
             if not call.done:
                 error = error_of(call)
@@ -282,10 +298,12 @@ class CallQueue:
                 elif again:
                     self.retrying.append((call, error))
                 else:
+                    seen += not call.left
                     self._settle(call, None, error, outcome)
         self.in_flight.clear()
         self.by_seq.clear()
         self.changed_all()
+        return seen
 
     def begin_restart(self) -> None:
         """restart() from the caller: the calls in flight fail; new ones wait for it."""
@@ -346,7 +364,7 @@ class CallQueue:
                 seq = path.send_again(call.command, bool(self.in_flight))
             except (WorkerCrashed, WorkerTimeout) as exc:
                 self.retrying = retrying[index:]
-                self.broken(exc)  # a retried call is not sent again: they fail
+                self.broken(exc, raised=True)  # a retried call is not sent again: they fail
                 self.fail_retries(str)
                 return
             call.resent(seq, perf_counter())
@@ -470,7 +488,7 @@ class CallQueue:
             call = self.path.send(method, value, timeout, bool(self.in_flight),
                                   keep=self.session is not None)
         except (WorkerCrashed, WorkerTimeout) as exc:
-            self.broken(exc)
+            self.broken(exc, raised=True)
             raise  # keeps its __cause__
         finally:
             self.sending = False
@@ -731,9 +749,11 @@ class CallQueue:
             at = next((c for c in self.in_flight if not all(r in c.replies for r in dead)),
                       None)
             if at is None:
-                self.broken(self.supervisor.crashed(dead, "an idle moment between calls"))
+                self.broken(self.supervisor.crashed(dead, "an idle moment between calls",
+                                                    logged=False))
             else:
-                self.broken(self.supervisor.crashed(dead, at.what, at.seq, at.method), at)
+                self.broken(self.supervisor.crashed(dead, at.what, at.seq, at.method,
+                                                    logged=False), at)
 
     def answered(self, call: Call) -> None:
         """Every rank answered ``call``: judge it; the next call starts its clock."""

@@ -202,7 +202,8 @@ class CallPath:
         if self.ranks.watch.fired:
             dead = self.ranks.dead()
             if dead:
-                raise self.supervisor.crashed(dead, "an idle moment between calls")
+                raise self.supervisor.crashed(dead, "an idle moment between calls",
+                                              logged=False)  # CallQueue.broken logs it
         header: dict[str, Any] = {Field.KIND: Kind.CALL, Field.METHOD: method}
         body: list = [b""]
         segments: list[str] = []

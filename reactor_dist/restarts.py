@@ -27,6 +27,7 @@ import time
 
 from . import recovery, timeouts
 from .call_queue import CallQueue
+from .fault_log import headline, one_line
 
 log = logging.getLogger("reactor_dist")
 END_WAIT = 30.0  # seconds restart() waits for a failed restart of its own to end its ranks
@@ -52,7 +53,7 @@ def told(done: recovery.Restarted) -> str:
         parts.append(f"rank {', '.join(map(str, done.kept))} kept its model (rejoin())")
     if not done.kept:
         parts.append("no rank kept its model")
-    return ", ".join(parts)
+    return "; ".join(parts)
 
 class Restarts:
     """How many restarts so far, the budget, and the restart itself, of one runner."""
@@ -99,7 +100,8 @@ class Restarts:
         try:
             self.run(self.timeout)
         except BaseException as exc:  # the queue is unusable with it; the log says why
-            log.error("the runner could not restart: %s: %s", type(exc).__name__, exc)
+            log.error("the runner could not restart: %s: %s", type(exc).__name__,
+                      one_line(exc))
 
     def run(self, timeout: float | None) -> None:
         """Bring the ranks back (the queue is ``restarting``).  On a failure, or an
@@ -134,12 +136,15 @@ class Restarts:
                     queue.answered_due = session.answered_due
                 done = done._replace(seconds=done.seconds + seconds)
                 replayed = (f"; every rank restored the snapshot and ran the {kept} call"
-                            f"{'s' * (kept != 1)} since it again in {seconds:.2f} s")
+                            f"{'s' * (kept != 1)} since it again")
+            again = [call.what for call, _ in queue.retrying]  # sent once this returns
+            if again:
+                replayed += f"; {', '.join(again)} sent again (retry_failed)"
             self.count += 1
             self.last = done
-            reason = f" after {type(why).__name__}: {first_line(why)}" if why else ""
-            log.warning("restart %d%s: %s%s in %.2f s", self.count, reason, told(done),
-                        replayed, done.seconds,
+            reason = f" after {headline(why)}" if why else ""
+            log.warning("restart %d%s in %.2f s: %s%s", self.count, reason, done.seconds,
+                        told(done), replayed,
                         extra={"restart": self.count, "replaced": done.replaced,
                                "kept": done.kept, "taken": done.taken,
                                "restart_seconds": done.seconds})

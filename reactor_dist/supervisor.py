@@ -44,6 +44,7 @@ from .errors import (
     rebuild_exception,
     timeout_error,
 )
+from .fault_log import one_line
 from .ledger import Ledger, Mapped
 from .processes import Placement, Rank, Ranks
 from .progress import Display
@@ -479,9 +480,11 @@ class Supervisor:
                                     for info in self.ranks.infos(self.devices))
 
     def crashed(self, dead: list[int], what: str, seq: int | None = None,
-                method: str | None = None) -> WorkerCrashed:
+                method: str | None = None, logged: bool = True) -> WorkerCrashed:
         """The WorkerCrashed of the ``dead`` ranks, their records in ``failures``;
-        ``seq``, ``method``: the call they died in (None: outside a call)."""
+        ``seq``, ``method``: the call they died in (None: outside a call).  ``logged``:
+        its one-line ERROR record here (the call queue logs the faults of calls itself,
+        at the level their outcome deserves)."""
         assert self.ranks is not None
         report = self.collectives(seq, dead)
         first = f"{report.headline}\n" if report is not None and report.headline else ""
@@ -490,7 +493,8 @@ class Supervisor:
                               f"{self.ranks.crash_report(dead)}{lines}")
         error.failures = self.ranks.failures(dead, self.devices, seq=seq, method=method)
         self.with_collectives(error, report)
-        log.error("%s", error)
+        if logged:
+            log.error("%s", one_line(error))
         return error
 
     def timed_out(self, silent: list[int], timeout: float | None, what: str,

@@ -8,6 +8,7 @@ import pytest
 from timing_workers import DiesInCall, Talks
 
 from reactor_dist import DistributedRunner, WorkerCrashed
+from reactor_dist.fault_log import one_line
 
 
 def ours(caplog, level=logging.INFO):
@@ -42,7 +43,8 @@ def test_a_crash_report_is_logged_as_an_error(caplog, runner_for):
     with runner_for(DiesInCall) as runner, pytest.raises(WorkerCrashed) as caught:
         runner.generate(1)
     (record,) = ours(caplog, logging.ERROR)
-    assert record.getMessage() == str(caught.value)
+    assert record.getMessage() == one_line(caught.value)  # the error's text on one line
+    assert "\n" in str(caught.value) and "\n" not in record.getMessage()
     assert "rank 1" in record.getMessage() and "exited with code 3" in record.getMessage()
 
 
