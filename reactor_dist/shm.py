@@ -337,9 +337,9 @@ def _reclaim_once(directory: str) -> int:
             lock = f"{runner}.{OWNER_LOCK}"
             if lock in names:
                 state = lock_state(os.path.join(directory, lock))
-                alive[runner] = state == "held" and not _owner_dying(*key)
+                alive[runner] = state == "held" and not owner_dying(*key)
             else:
-                alive[runner] = _owner_alive(*key)
+                alive[runner] = owner_alive(*key)
         if not alive[runner]:
             unlink_quietly(path)
             removed += 1
@@ -360,7 +360,7 @@ def _reclaim_draft(path: str) -> int:
     return 1
 
 
-def _owner_alive(pid: int, started_hex: str) -> bool:
+def owner_alive(pid: int, started_hex: str) -> bool:
     """Whether process ``pid`` started at ``started_hex`` lives (a zombie, or a process
     that a SIGKILL is ending, does not)."""
     try:
@@ -369,14 +369,14 @@ def _owner_alive(pid: int, started_hex: str) -> bool:
         return True  # somebody else's live process: not ours to judge
     except (psutil.NoSuchProcess, ValueError):
         return False
-    return f"{started:x}" == started_hex and not _owner_dying(pid, started_hex)
+    return f"{started:x}" == started_hex and not owner_dying(pid, started_hex)
 
 
 SIGKILL_BIT = 1 << (9 - 1)  # SIGKILL in /proc's SigPnd and ShdPnd masks
 PF_EXITING = 0x4  # a task's flag in /proc/<pid>/stat from the start of its exit
 
 
-def _owner_dying(pid: int, started_hex: str) -> bool:
+def owner_dying(pid: int, started_hex: str) -> bool:
     """Whether process ``pid``, the one started at ``started_hex`` (not another process
     that reuses the pid, nor one in another pid namespace), is past its death: killed
     by a SIGKILL not yet acted on, or exiting in every thread (a zombie too; not a

@@ -321,6 +321,8 @@ def test_the_next_start_removes_a_dead_runners_entries_whose_lock_went_first(app
     victim.proc.kill()
     deadline = time.monotonic() + 10
     while psutil.Process(victim.proc.pid).status() != psutil.STATUS_ZOMBIE:
+        # wall-clock: a SIGKILLed process is a zombie within milliseconds; 10 s is only
+        # the way out of the loop, over 100x that on an idle machine
         assert time.monotonic() < deadline
         time.sleep(0.01)
     os.unlink(os.path.join(shm.DEFAULT_DIR, f"{prefix}.lock"))
@@ -353,16 +355,18 @@ def test_an_owner_is_judged_by_its_lock_and_by_its_process_past_death(tmp_path):
     try:
         assert shm.lock_state(path) == "held"
         assert shm.lock_state(str(tmp_path / "none.lock")) == "gone"
-        assert shm._owner_dying(child.pid, tag) is False
-        assert shm._owner_alive(child.pid, tag) is True
+        assert shm.owner_dying(child.pid, tag) is False
+        assert shm.owner_alive(child.pid, tag) is True
         child.kill()
         deadline = time.monotonic() + 10
         while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:
+            # wall-clock: a SIGKILLed process is a zombie within milliseconds; 10 s is only
+            # the way out of the loop, over 100x that on an idle machine
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        assert shm._owner_dying(child.pid, tag) is True
-        assert shm._owner_alive(child.pid, tag) is False
-        assert shm._owner_dying(child.pid, "1") is False  # the pid, not that process
+        assert shm.owner_dying(child.pid, tag) is True
+        assert shm.owner_alive(child.pid, tag) is False
+        assert shm.owner_dying(child.pid, "1") is False  # the pid, not that process
     finally:
         os.close(lock)
         child.wait()
