@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 import time
 import uuid
 
@@ -206,14 +208,23 @@ def test_two_node_try_on_one_machine_runs_as_printed(tmp_path):
     pytest.importorskip("ray", reason="the two-node try needs the ray extra (make test has it)")
     (block,) = examples("docs/more-than-one-machine.md", "Trying it on one machine")
     mark = uuid.uuid4().hex
-    # As a user runs it: the script sets the two Ray variables itself.
+    # As a user runs it: the script sets the two Ray variables itself.  Its Ray folders
+    # go to a folder of the test's own (RAY_TMPDIR; short: Ray's socket paths are
+    # bounded), removed after it, so nothing lands in /tmp/ray.
+    temp_dir = tempfile.mkdtemp(prefix="rd-ray-", dir="/tmp")
     env = {"REACTOR_DIST_DOCS_EXAMPLE": mark, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "",
-           "RAY_USAGE_STATS_ENABLED": "", "RAY_ADDRESS": ""}
-    assert run_block(tmp_path, block, env=env, timeout=300).splitlines() == ["2 nodes", "3.0"]
-    deadline = time.monotonic() + 15  # Ray's processes end just after the script
-    while marked(mark) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert marked(mark) == []
+           "RAY_USAGE_STATS_ENABLED": "", "RAY_ADDRESS": "", "RAY_TMPDIR": temp_dir}
+    before = os.listdir("/tmp/ray") if os.path.isdir("/tmp/ray") else []
+    try:
+        assert run_block(tmp_path, block, env=env, timeout=300).splitlines() == [
+            "2 nodes", "3.0"]
+        deadline = time.monotonic() + 15  # Ray's processes end just after the script
+        while marked(mark) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marked(mark) == []
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert (os.listdir("/tmp/ray") if os.path.isdir("/tmp/ray") else []) == before
 
 
 def test_the_api_pages_show_the_docstrings_rest_roles_as_code():

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -72,9 +74,13 @@ def cluster():
     saved = {k: os.environ.get(k) for k in LOOPBACK_ENV}
     os.environ.update(LOOPBACK_ENV)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
+    # Ray's session folders in a folder of the cluster's own, removed after it: nothing
+    # in /tmp/ray, no session_latest repointed (short: Ray's socket paths are bounded).
+    temp_dir = tempfile.mkdtemp(prefix="rd-ray-", dir="/tmp")
+    ray_folders = default_ray_folders()
     nodes = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "include_dashboard": False})
-    nodes.add_node(num_cpus=2, num_gpus=2, resources={"far": 2})
+        "num_cpus": 2, "include_dashboard": False, "temp_dir": temp_dir})
+    nodes.add_node(num_cpus=2, num_gpus=2, resources={"far": 2}, temp_dir=temp_dir)
     ray.init(address=nodes.address, include_dashboard=False, log_to_driver=False)
     nodes.wait_for_nodes()
     ours = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
@@ -83,6 +89,7 @@ def cluster():
     finally:
         ray.shutdown()
         nodes.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -90,6 +97,17 @@ def cluster():
                 os.environ[key] = value
     # No raylet, GCS, actor or rank of ours outlives the cluster.
     assert wait_gone([p.pid for p in ours], timeout=10) == []
+    assert not os.path.exists(temp_dir)
+    assert default_ray_folders() == ray_folders  # nothing new in /tmp/ray, no link moved
+
+
+def default_ray_folders() -> dict[str, str]:
+    """What Ray's default folder holds: each entry, a link as where it points."""
+    top = "/tmp/ray"
+    if not os.path.isdir(top):
+        return {}
+    return {name: os.readlink(os.path.join(top, name))
+            if os.path.islink(os.path.join(top, name)) else "" for name in os.listdir(top)}
 
 
 def placed_runner(**kwargs) -> DistributedRunner:
