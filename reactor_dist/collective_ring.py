@@ -39,6 +39,10 @@ GROUP = struct.Struct("<8H")
 TENSOR_AT, TENSORS, DIMS = 48, 2, 8
 TENSOR = struct.Struct("<BBH8I")  # dtype, dims, list length (0: one tensor), sizes
 STATE_AT = 8
+# An entry and its first tensor in one pack (the group's place zeroed: every rank's)
+FIRST = struct.Struct("<IHHBBBBIdi4x16xBBH8I")
+COUNT = struct.Struct("<Q")
+NO_DIMS = (0,) * DIMS
 
 EMPTY, IN, QUEUED, WAITING, LEFT, RAISED = range(6)
 BIG = 0xFFFFFFFF  # a size that does not fit: shown as "huge"
@@ -89,7 +93,7 @@ class Writer:
             os.close(fd)
         magic, _, _, _, self.count = HEAD.unpack_from(self.mm, 0)
         if magic != MAGIC:
-            raise ValueError(f"{path} is not a collective ring")
+            raise ValueError(path)  # not a ring: install() records nothing, says nothing
         self.seq = 0
         self.index: dict[int, int] = {}  # per group hash: collectives so far in this call
         self.number: dict[int, int] = {}  # per kind: collectives so far in this call
@@ -109,16 +113,29 @@ class Writer:
         ghash, granks = group
         index = self.index[ghash] = self.index.get(ghash, 0) + 1
         number = self.number[kind] = self.number.get(kind, 0) + 1
-        FIXED.pack_into(mm, at, self.seq, index & 0xFFFF, number & 0xFFFF, IN, kind,
-                        len(tensors), len(granks), ghash, time.monotonic(), peer)
+        head = (self.seq, index & 0xFFFF, number & 0xFFFF, IN, kind, len(tensors),
+                len(granks), ghash, time.monotonic(), peer)
+        try:
+            if tensors:  # the common case in one pack: the entry and its first tensor
+                dtype, shape, listed = tensors[0]
+                FIRST.pack_into(mm, at, *head, dtype, len(shape), listed,
+                                *(tuple(shape) + NO_DIMS)[:DIMS])
+                for i in range(1, len(tensors)):
+                    dtype, shape, listed = tensors[i]
+                    TENSOR.pack_into(mm, at + TENSOR_AT + i * TENSOR.size, dtype, len(shape),
+                                     listed, *(tuple(shape) + NO_DIMS)[:DIMS])
+            else:
+                FIXED.pack_into(mm, at, *head)
+        except struct.error:  # a size past 32 bits: written as BIG
+            FIXED.pack_into(mm, at, *head)
+            for i, (dtype, shape, listed) in enumerate(tensors):
+                dims = [min(int(d), BIG) for d in shape[:DIMS]]
+                TENSOR.pack_into(mm, at + TENSOR_AT + i * TENSOR.size, dtype, len(shape),
+                                 listed, *dims, *(0,) * (DIMS - len(dims)))
         if granks:
             GROUP.pack_into(mm, at + GROUP_AT, *(granks + (0xFFFF,) * GROUP_RANKS)[:GROUP_RANKS])
-        for i, (dtype, shape, listed) in enumerate(tensors):
-            dims = [min(int(d), BIG) for d in shape[:DIMS]]
-            TENSOR.pack_into(mm, at + TENSOR_AT + i * TENSOR.size, dtype, len(shape),
-                             listed, *dims, *(0,) * (DIMS - len(dims)))
         self.count = n + 1
-        struct.pack_into("<Q", mm, COUNT_AT, n + 1)
+        COUNT.pack_into(mm, COUNT_AT, n + 1)
         return n
 
     def mark(self, n: int, state: int) -> None:

@@ -14,6 +14,7 @@ from types import ModuleType
 from benchmarks.families import (
     aio_calls,
     broadcast,
+    collective_ring,
     cpu_copy,
     failure,
     frames,
@@ -34,6 +35,7 @@ FAMILIES: tuple[tuple[str, ModuleType], ...] = (
     ("asyncio per call", aio_calls),
     ("per-call timings", timings),
     ("metrics cost", metrics_cost),
+    ("collective rings", collective_ring),
     ("frames back", frames),
     ("frames from a GPU", frames_gpu),
     ("a fresh CPU buffer per call", cpu_copy),
