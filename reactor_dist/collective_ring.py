@@ -140,7 +140,7 @@ class Writer:
 
     def mark(self, n: int, state: int) -> None:
         """Entry ``n`` (of :meth:`enter`) is now in ``state`` (unless overwritten)."""
-        if self.count - n <= SLOTS:
+        if 0 <= n and self.count - n <= SLOTS:
             self.mm[ENTRY * (1 + n % SLOTS) + STATE_AT] = state
 
 

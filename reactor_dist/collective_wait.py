@@ -87,6 +87,8 @@ class CollectiveWaits:
         which the cache keeps alive so that its id is not reused)."""
         if group is None:
             return 0, ()
+        if isinstance(group, tuple) and len(group) == 2 and hasattr(group[0], "get_group"):
+            group = group[0].get_group(group[1])  # (device mesh, its dimension)
         if isinstance(group, (list, tuple)):
             flat = [r for g in group for r in (g if isinstance(g, (list, tuple)) else (g,))]
             return ring_layout.group_key(flat, self.world_size)
@@ -161,6 +163,15 @@ class Recorded:
 
     def enter(self, ring: ring_layout.Writer, waits: CollectiveWaits, args: tuple,
               kwargs: dict) -> int:
+        """The collective's entry in the ring; -1 where its arguments are of a form the
+        entry cannot hold (recording never breaks a collective)."""
+        try:
+            return self.record(ring, waits, args, kwargs)
+        except Exception:
+            return -1
+
+    def record(self, ring: ring_layout.Writer, waits: CollectiveWaits, args: tuple,
+               kwargs: dict) -> int:
         tensors = []
         for at, name in self.tensors:
             value = args[at] if at < len(args) else kwargs.get(name)
