@@ -25,9 +25,9 @@ class Collectives(DistributedWorker):
 
     def generate(self, case: str) -> int:
         last = self.rank == self.world_size - 1
-        x = torch.ones(4)
+        x = torch.ones(4, device=self.device)
         if last and case == "shape":
-            dist.all_reduce(torch.ones(8))
+            dist.all_reduce(torch.ones(8, device=self.device))
         elif last and case == "kind":
             dist.broadcast(x, src=0)
         elif case == "kind_raise":

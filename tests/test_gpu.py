@@ -307,3 +307,21 @@ def test_a_spare_sharing_the_ranks_gpu_takes_its_place(tmp_path):
         assert (device, current, visible, loads, rejoins) == ("cuda:0", 0, "0", 1, 1)
         assert r.devices == ("cuda:0",)
         assert r.generate(2.0) == 1047552.0 and r.generate(0.5) == 261888.0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_shape_mismatch_in_an_nccl_all_reduce_is_named_from_the_rings():
+    """Issue 45 on NCCL: the shapes are recorded before the work is queued, so the hang
+    that NCCL makes of a mismatch is reported as that mismatch."""
+    from collective_workers import Collectives
+
+    from reactor_dist import WorkerTimeout
+
+    with DistributedRunner(Collectives, world_size=2, device="cuda", call_timeout=10.0,
+                           shutdown_grace=1.0) as r:
+        assert r.generate("ok") == 16
+        with pytest.raises(WorkerTimeout) as caught:
+            r.generate("shape")
+    assert str(caught.value).split("\n")[0] == (
+        "all_reduce #1 of call 2: rank 0 has [4] float32, rank 1 has [8] float32 — the "
+        "shapes differ")
