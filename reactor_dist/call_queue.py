@@ -740,6 +740,8 @@ class CallQueue:
                         call.deadline = time.monotonic() + call.timeout
             elif header[Field.RANK] not in call.replies:
                 call.replies[header[Field.RANK]] = message
+                if Field.LOGGED in header:  # its records reach the logs before its result
+                    call.logged = True
                 in_flight = self.in_flight
                 while in_flight and len(in_flight[0].replies) == self.world_size:
                     self.answered(in_flight.popleft())
@@ -774,8 +776,10 @@ class CallQueue:
             self.changed_all()
             return
         answered = perf_counter()
-        self.supervisor.take_output()  # the call's log records before its result or error
-        verdict = judge(call.method, self.path.outcomes(call), self.path.collectives(call))
+        if call.logged:  # the call's log records before its result or error
+            self.supervisor.take_output()
+        verdict = judge(call.method, self.path.outcomes(call),
+                        lambda: self.path.collectives(call))
         if (self.timings.enabled or self.observers) and not call.left:
             times = (call.started, call.sent, answered, perf_counter())
             compute = compute_seconds(call, self.world_size)

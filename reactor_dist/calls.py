@@ -48,7 +48,7 @@ class Call:
                  "generator", "started", "sent", "deadline", "watchers",
                  "done", "value", "error", "future", "itemized", "times", "compute",
                  "collective_wait", "tags", "stream", "command", "received", "skip",
-                 "retried", "every_rank")
+                 "retried", "every_rank", "logged")
 
     def __init__(self, seq: int, method: str, timeout: float | None, started: float = 0.0,
                  sent: float = 0.0) -> None:
@@ -82,12 +82,13 @@ class Call:
         self.received = self.skip = 0
         self.retried = False
         self.every_rank = False  # call_all's: every rank's result is the value
+        self.logged = False  # a rank wrote log records during it (Field.LOGGED)
 
     def resent(self, seq: int, sent: float) -> None:
         """``retry_failed``: the same call, sent again as ``seq`` after a restart; the
         items it had brought are not handed over twice."""
         self.seq, self.sent, self.what = seq, sent, f"{self.method}() (call {seq})"
-        self.replies, self.deadline, self.retried = {}, None, True
+        self.replies, self.deadline, self.retried, self.logged = {}, None, True, False
         self.skip, self.received = self.received, 0
 
     def settle(self, value: Any, error: BaseException | None) -> None:
@@ -357,10 +358,8 @@ class CallPath:
         return Outcome(Status.OK, values)
 
     def collectives(self, call: Call) -> Any:
-        """What the ranks' collective rings say of ``call`` when a rank did not return
-        (a collective_ring.Report; None: every rank returned, or none recorded one)."""
-        if all(h.get(Field.STATUS) == Status.OK for h, _ in call.replies.values()):
-            return None
+        """What the ranks' collective rings say of ``call`` (judge asks when a rank did
+        not return): a collective_ring.Report; None where none recorded one."""
         return self.supervisor.collectives(call.seq)
 
     def outcomes(self, call: Call) -> list[Outcome]:

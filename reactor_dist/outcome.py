@@ -10,7 +10,7 @@ supervisor raises them while it waits (:mod:`reactor_dist.supervisor`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from .errors import RankDesync, RankFailure
@@ -39,14 +39,16 @@ class Verdict(NamedTuple):
     breaks: bool  # the runner is unusable from now on
 
 
-def judge(method: str, outcomes: Sequence[Outcome], collectives: Any = None) -> Verdict:
+def judge(method: str, outcomes: Sequence[Outcome],
+          collectives: Callable[[], Any] = lambda: None) -> Verdict:
     """The caller's answer to one call whose every rank answered (index = rank).
-    ``collectives`` (a collective_ring.Report of the call, when a rank did not return):
-    ranks that called different collectives, or passed them different tensors, are out
-    of step even when each raised the same exception."""
+    ``collectives()`` (a collective_ring.Report of the call, asked only when a rank did
+    not return): ranks that called different collectives, or passed them different
+    tensors, are out of step even when each raised the same exception."""
     world_size = len(outcomes)
     if [o.status for o in outcomes].count(Status.OK) == world_size:
         return Verdict(outcomes[0].value, None, False)
+    collectives = collectives()
     lead = lines = ""
     if collectives is not None:
         lead = f"{collectives.headline}\n" if collectives.headline else ""

@@ -54,7 +54,8 @@ the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
                                               torch.distributed collectives; only from
                                               ranks in a group, collective_wait.py);
                                               DIGEST (rank 0, asked: bytes, see
-                                              transfer.Digest); a snapshot's: every
+                                              transfer.Digest); LOGGED (true: it wrote
+                                              log records meanwhile); a snapshot's: every
                                               rank's DESCRIPTORS and payload
     release   ->   the caller let go of rank  RELEASED (rank 0's result segments),
                    0's segments, or input     RETIRED (input segments unlinked); ROUND
@@ -173,6 +174,7 @@ class Field:
     ADDRESS = "ad"  # REJOIN across nodes: rank 0's node address (its store's), maybe new
     DIGEST = "dg"  # CALL: true, rank 0 digests its result; REPLY: rank 0's digest (bytes)
     ALL = "all"  # CALL: true, every rank sends its result (runner.call_all), not rank 0 alone
+    LOGGED = "lg"  # REPLY: true, the rank wrote log records during the call (records.py)
     STATES = "sts"  # CALL of restore: per rank [first body frame, frame count, descriptors]
 
 

@@ -385,6 +385,7 @@ class RankServer:
         self.memory.apply(header)
         self.memory.call_seq = header[Field.SEQ]
         self.results.new_call()
+        logged = records.written()
         reply: dict[str, Any] = {Field.KIND: Kind.REPLY, Field.SEQ: header[Field.SEQ],
                                  Field.STATUS: Status.OK}
         payload: list = []
@@ -468,6 +469,8 @@ class RankServer:
             reply[Field.ERROR] = describe(error)
             payload = [pickle_exception(error) or b""]
             error = None
+        if records.written() != logged:  # the caller takes them in before it returns
+            reply[Field.LOGGED] = True
         self.memory.tell(reply, released=True)
         self.send(reply, payload)
         self.memory.check_written_views()

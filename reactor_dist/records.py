@@ -69,13 +69,24 @@ class RecordLine(logging.Handler):
         self.writing = threading.Lock()
 
     def emit(self, record: logging.LogRecord) -> None:
+        global _written
         try:
             line = (encode(record, self.rank()) + "\n").encode("utf-8", "replace")
             with self.writing:
                 sys.stderr.flush()  # the lines printed before it come first
                 os.write(2, line)
+                _written += 1
         except Exception:
             self.handleError(record)
+
+
+_written = 0  # records this rank wrote so far (RecordLine)
+
+
+def written() -> int:
+    """How many records this rank wrote so far: a reply says whether its call wrote any
+    (Field.LOGGED), so that the caller takes them in before it returns."""
+    return _written
 
 
 def install(levels: dict[str, int], rank: Callable[[], int | None]) -> None:
