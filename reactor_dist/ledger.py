@@ -133,9 +133,9 @@ class Ledger:
         releases queued so far are applied; with ``keep_warm``, one that
         ``retire_idle(keep_warm=True)`` would retire."""
         self._apply_releases()
-        if keep_warm:
+        if keep_warm and self.idle and not self._retired:
             warm = sum(1 for n in self.idle if self.warm(n))
-            return bool(self._retired) or len(self.idle) > min(warm, self.needed())
+            return len(self.idle) > min(warm, self.needed())
         return bool(self.idle or self._retired)
 
     def retire_idle(self, keep_warm: bool = False) -> list[str]:

@@ -457,7 +457,7 @@ class RankServer:
                 descriptors, payload, _ = transfer.encode(
                     result, self.results, f"the result of {method}() on rank {self.rank}",
                     holders=(CALLER,), reuse_segments=True, inline_limit=self.inline_limit,
-                    verb="return", digest=self.digest, staging=self.memory.staging())
+                    verb="return", digest=self.digest, staging=self.memory.staging)
                 if descriptors:
                     reply[Field.DESCRIPTORS] = descriptors
             except BaseException as exc:
@@ -536,7 +536,7 @@ class RankServer:
             descriptors, payload, _ = transfer.encode(
                 item, self.results, f"item {index} of generate() on rank 0", holders=(CALLER,),
                 reuse_segments=True, inline_limit=self.inline_limit, verb="yield",
-                digest=self.digest, staging=self.memory.staging())
+                digest=self.digest, staging=self.memory.staging)
         except Exception as exc:  # as for a result: no room, over the bound, no pickle
             return exc
         del item

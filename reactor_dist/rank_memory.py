@@ -131,8 +131,8 @@ class RankMemory:
     def __init__(self, boot: Bootstrap, rank: int,
                  send: Callable[[dict[str, Any]], None]) -> None:
         self.boot, self.send = boot, send
-        self.device = "cpu"  # the rank's, once chosen: a CUDA rank page-locks its results
-        self.pinning = HostPinning(cuda_runtime_of(lambda: self.device), boot.pinned_limit)
+        self._device = "cpu"  # the rank's, once chosen: a CUDA rank page-locks its results
+        self.pinning = HostPinning(cuda_runtime_of(lambda: self._device), boot.pinned_limit)
         self.results = Ledger(boot.shm_dir, boot.shm_prefix, result_tag(rank),
                               keep_free=boot.keep_free, reclaim=self.starve,
                               before_close=self.pinning.unpin, warm=self.pinning.is_pinned)
@@ -141,7 +141,8 @@ class RankMemory:
         cpu_too = stage_cpu()
         self.result_staging = ResultStaging(self.staged_buffer, cpu_too)
         self.input_staging = InputStaging(boot.shm_dir, lambda: self.inputs.views,
-                                          self.pinning, lambda: self.device, cpu_too)
+                                          self.pinning, lambda: self._device, cpu_too)
+        self.device = "cpu"  # and staging, with it
         self.snapshot_tag = snapshot_tag(rank)
         self.snapshots = Ledger(boot.shm_dir, boot.shm_prefix, self.snapshot_tag,
                                 keep_free=1)
@@ -255,14 +256,19 @@ class RankMemory:
         weakref.finalize(base, self.results.release, seg.name, WORKER)
         return base[:nbytes].view(dtype).reshape(shape)
 
-    def staging(self) -> ResultStaging | None:
-        """What stages rank 0's device tensors, where it pays: a CUDA rank whose results
-        travel through shared memory (or the test hook)."""
-        if not self.boot.shared_memory:
-            return None
-        if self.device.startswith("cuda") or self.result_staging.cpu_too:
-            return self.result_staging
-        return None
+    @property
+    def device(self) -> str:
+        return self._device
+
+    @device.setter
+    def device(self, device: str) -> None:
+        """The rank's device, once chosen; with it, whether rank 0's device tensors are
+        staged (:attr:`staging`): a CUDA rank whose results travel through shared memory
+        (or the test hook)."""
+        self._device = device
+        stages = self.boot.shared_memory and (device.startswith("cuda") or
+                                              self.result_staging.cpu_too)
+        self.staging: ResultStaging | None = self.result_staging if stages else None
 
     def staged_buffer(self, nbytes: int) -> np.ndarray:
         """A uint8 array over a result segment, registered where it can be: a device
