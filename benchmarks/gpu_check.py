@@ -13,7 +13,9 @@ with a timeout (all of them within ``BUDGET_S``):
 2. the Quickstart (docs/index.md, the README's too) as printed (world_size 2: skipped on one GPU);
 3. the demo with ``--device cuda``;
 4. the frame timings (``--frames``): every row of issue 43 with its floor, measured in
-   the same run (benchmarks/gpu_frames.py: ``ROWS``); a row above its goal fails.
+   the same run (benchmarks/gpu_frames.py: ``ROWS``); a row above its goal fails;
+5. with two GPUs or more, a shape mismatch in an NCCL all_reduce (``--mismatch``): the
+   report's first line (issue 45) must say the shapes differ.
 
 Then it prints one table and exits non-zero if a step or a row failed.  Without CUDA in
 torch: an NVIDIA driver on the machine (``/proc/driver/nvidia/version`` or
@@ -155,6 +157,7 @@ def check(n: int, missing: list[str] = ()) -> int:
     demo_ranks = max(d for d in (1, 2, 4, 8) if d <= n)  # a divisor of its 16 frames
     work = tempfile.mkdtemp(prefix="gpu-check-")
     frames = os.path.join(work, "frames.json")
+    mismatch = os.path.join(work, "mismatch.txt")
     no_pytest = "skipped (pytest is missing)" if "pytest" in missing else ""
     steps = [
         (f"GPU-marked tests, world_size {n}", no_pytest,
@@ -168,6 +171,9 @@ def check(n: int, missing: list[str] = ()) -> int:
          [py, "examples/demo.py", "--device", "cuda", "--world-size", str(demo_ranks),
           "--out", os.path.join(work, "demo")], 60),
         ("frame timings", "", [py, "-m", "benchmarks.gpu_check", "--frames", frames], 150),
+        ("a collective's shape mismatch, world_size 2",
+         "" if n >= 2 else "skipped (needs 2 GPUs: a collective between two ranks)",
+         [py, "-m", "benchmarks.gpu_check", "--mismatch", mismatch], 60),
     ]
     rows, failed = [], []
     for name, skipped, cmd, limit in steps:
@@ -187,6 +193,9 @@ def check(n: int, missing: list[str] = ()) -> int:
                 rows.append((f"  {label}", text, ""))
                 if over:
                     failed.append((label, None))
+    if os.path.exists(mismatch):
+        with open(mismatch) as f:
+            rows.append(("  the report's first line", f.readline().strip(), ""))
     for name, log in failed:
         if log is not None:
             print(f"\n--- {name}: last lines of {log}\n{tail(log)}")
@@ -310,9 +319,35 @@ def frame_timings(path: str) -> int:
     return 0
 
 
+def shape_mismatch(path: str, device: str = "cuda") -> int:
+    """Rank 1 passes an all_reduce 8 elements where rank 0 passes 4, over NCCL (issue 45;
+    ``device="cpu"``: gloo, which aborts a rank instead of hanging): the error's first
+    line, written to ``path``, must name the shapes."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "tests"))
+    from collective_workers import Collectives
+
+    from reactor_dist import DistributedRunner, WorkerCrashed, WorkerTimeout
+
+    with DistributedRunner(Collectives, world_size=2, device=device, call_timeout=10.0,
+                           shutdown_grace=1.0) as runner:
+        runner.generate("ok")
+        try:
+            runner.generate("shape")
+            first = "no error: the mismatch was not reported"
+        except (WorkerTimeout, WorkerCrashed) as e:
+            first = str(e).split("\n")[0]
+    with open(path, "w") as f:
+        f.write(first + "\n")
+    print(first)
+    return 0 if first.endswith("the shapes differ") else 1
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--frames"]:
         return frame_timings(argv[1])
+    if argv[:1] == ["--mismatch"]:
+        return shape_mismatch(*argv[1:3])
     missing: list[str] = []
     if argv[:1] == ["--current-env"]:
         missing = missing_packages()

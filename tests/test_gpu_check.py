@@ -187,3 +187,16 @@ def test_make_bench_without_a_gpu_says_so(capsys):
     assert capsys.readouterr().out == (
         "gpu frames: no CUDA GPU here; the rows of frames between a GPU and the application "
         "run where one is (make bench, make gpu-check)\n")
+
+
+def test_the_mismatch_step_writes_the_reports_first_line(tmp_path):
+    """The step gpu-check runs over NCCL with two GPUs, here over gloo (which aborts the
+    rank instead of hanging): the same first line."""
+    path = tmp_path / "mismatch.txt"
+    out = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--mismatch",
+                          str(path), "cpu"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert path.read_text() == (
+        "all_reduce #1 of call 2: rank 0 has [4] float32, rank 1 has [8] float32 — the "
+        "shapes differ\n")
