@@ -33,6 +33,10 @@ EXAMPLES = {
     ("docs/bring-your-own-model.md", "torch's own `parallelize_module` and "
                                     "`torch.distributed.device_mesh.DeviceMesh`"):
         (1, "test_docs_examples.py::test_parallelize_module_recipe_runs_as_printed"),
+    ("docs/bring-your-own-model.md", "transformers' tensor parallelism (`workers/hf_llama.py`)"):
+        (1, "test_third_party_models.py::test_transformers_recipe_runs_as_printed"),
+    ("docs/bring-your-own-model.md", "diffusers' context parallelism (`workers/wan_context.py`)"):
+        (1, "test_third_party_models.py::test_diffusers_recipe_runs_as_printed"),
     ("docs/bring-your-own-model.md", "Calling your own methods on every rank"):
         (1, "test_docs_examples.py::test_calling_methods_by_name_example_runs_as_printed"),
     ("docs/bring-your-own-model.md", "Binding each rank to its GPU's NUMA node"):

@@ -10,18 +10,28 @@ logits for the whole sequence; they match world_size 1 to float32 rounding.
 
 ``rejoin()`` after a restart loads this rank's shard again: transformers' device mesh
 (and the DTensors on it) belongs to the torch group the restart destroyed.
+
+``python -m workers.hf_llama``, from the checkout (``workers/`` is not an installed
+package), is the docs' recipe as a command: it saves the tiny Llama to a temporary
+directory, runs it at world_size 2 and 1 on the CPU and prints the largest difference
+of the logits.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import tempfile
 from typing import Any
 
 import numpy as np
 
-from reactor_dist import DistributedWorker
+from reactor_dist import DistributedRunner, DistributedWorker
 
 TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 128}
+TOKENS = list(range(3, 35))  # the prompt the recipe (and its tests) run: 32 token ids
+TOLERANCE = 1e-5  # world_size 2 against 1: float32 sums split over the shards round apart
 
 
 def save_tiny_llama(directory: str, seed: int = 0) -> str:
@@ -96,3 +106,32 @@ class LlamaTP(DistributedWorker):
         weight = self.model.model.layers[0].self_attn.q_proj.weight
         local = weight.to_local() if hasattr(weight, "to_local") else weight
         return tuple(local.shape)
+
+
+def compare_world_sizes(worker: type, request: Any, **options: Any) -> int:
+    """Run ``worker`` at world_size 2, then 1, on the CPU, print the largest difference of
+    rank 0's answers to ``generate(request)``; 0 within TOLERANCE, else 1 (an exit code).
+    Both recipes' commands (this module's and ``workers.wan_context``'s) end here."""
+    answers = []
+    for world_size in (2, 1):
+        with DistributedRunner(worker, world_size=world_size, device="cpu",
+                               start_timeout=300, **options) as runner:
+            answers.append(runner.generate(request))
+    difference = float(np.abs(answers[0] - answers[1]).max())
+    within = difference <= TOLERANCE
+    print(f"max |ws2 - ws1| = {difference:.1e} ({'within' if within else 'over'} "
+          f"{TOLERANCE:.0e})")
+    return 0 if within else 1
+
+
+def main() -> int:
+    """The recipe as one command: the tiny Llama saved to a temporary directory, which
+    every rank loads from (as from a real checkpoint), at world_size 2 against 1."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the ranks inherit it
+    with tempfile.TemporaryDirectory() as directory:
+        path = save_tiny_llama(directory)
+        return compare_world_sizes(LlamaTP, TOKENS, load_kwargs={"path": path})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,21 +15,28 @@ with ``Logger.warning_once``, which only transformers' import adds, so it is imp
 ``rejoin()`` after a restart makes the model parallel again over the new group (its
 device mesh belonged to the group the restart destroyed): diffusers enables parallelism
 once per model, so the weights, kept in memory, go into a model built anew.
+
+``python -m workers.wan_context``, from the checkout (``workers/`` is not an
+installed package), is the docs' recipe as a command: it runs the tiny Wan at
+world_size 2 and 1 on the CPU and prints the largest difference of the predicted noise.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
 
 from reactor_dist import DistributedWorker
+from workers.hf_llama import compare_world_sizes
 
 TINY = {"patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim": 16,
         "in_channels": 4, "out_channels": 4, "text_dim": 32, "freq_dim": 32, "ffn_dim": 64,
         "num_layers": 2, "rope_max_seq_len": 64}
 LATENT = (1, 4, 2, 16, 16)  # batch, channels, frames, height, width: 2 x 8 x 8 = 128 tokens
 TEXT_TOKENS = 8
+STEP = 3  # the seed of the step the recipe (and its tests) run
 
 def inputs(seed: int) -> dict[str, Any]:
     """One step's inputs, seeded: the noisy latent video, the timestep, the text."""
@@ -116,3 +123,8 @@ class WanContextParallel(DistributedWorker):
         model.load_state_dict(weights)
         self.model = model.eval()
         self.parallel()
+
+
+if __name__ == "__main__":
+    # Every rank builds the same seeded weights in load(): nothing to save first.
+    sys.exit(compare_world_sizes(WanContextParallel, STEP))
