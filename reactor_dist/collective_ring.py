@@ -256,9 +256,12 @@ def inside(entry: Entry | None) -> bool:
 
 
 def report(rings: dict[int, list[Entry]], seq: int | None, dead: Iterable[int] = (),
-           world_size: int | None = None) -> Report | None:
+           world_size: int | None = None, raised: dict[int, str] | None = None
+           ) -> Report | None:
     """Compare the ranks' collectives of call ``seq`` (None: the latest any rank
-    recorded); None when no rank recorded one."""
+    recorded); None when no rank recorded one.  ``raised``: the ranks that raised in the
+    call (their exception's type): one that never entered a collective raised before
+    it, and the headline says so."""
     dead = set(dead)
     if not any(rings.values()):
         return None
@@ -270,11 +273,12 @@ def report(rings: dict[int, list[Entry]], seq: int | None, dead: Iterable[int] =
              for r, entries in mine.items()}
     if not any(mine.values()):
         return None
-    headline, differ = compare(mine, dead)
+    headline, differ = compare(mine, dead, raised or {})
     return Report(headline, lines, differ)
 
 
-def compare(mine: dict[int, list[Entry]], dead: set[int]) -> tuple[str, bool]:
+def compare(mine: dict[int, list[Entry]], dead: set[int],
+            raised: dict[int, str] | None = None) -> tuple[str, bool]:
     """The one line on what differs between the ranks' collectives of one call."""
     groups: dict[int, tuple[int, ...]] = {0: tuple(sorted(mine))}
     for entries in mine.values():
@@ -287,7 +291,7 @@ def compare(mine: dict[int, list[Entry]], dead: set[int]) -> tuple[str, bool]:
         by_rank = {r: {e.index: e for e in mine[r]
                        if e.group_hash == ghash and e.kind not in POINT_TO_POINT}
                    for r in members}
-        line = compare_group(by_rank, dead)
+        line = compare_group(by_rank, dead, raised or {})
         if line is not None:
             found.append(line)
     differing = [f for f in found if f[1]]
@@ -296,8 +300,8 @@ def compare(mine: dict[int, list[Entry]], dead: set[int]) -> tuple[str, bool]:
     return found[0] if found else ("", False)
 
 
-def compare_group(by_rank: dict[int, dict[int, Entry]], dead: set[int]
-                  ) -> tuple[str, bool] | None:
+def compare_group(by_rank: dict[int, dict[int, Entry]], dead: set[int],
+                  raised: dict[int, str] | None = None) -> tuple[str, bool] | None:
     if not by_rank or not any(by_rank.values()):
         return None
     reached = {r: max(entries, default=0) for r, entries in by_rank.items()}
@@ -353,7 +357,12 @@ def compare_group(by_rank: dict[int, dict[int, Entry]], dead: set[int]
             said.append(f"{ranks_text(others)} entered it")
         missing = [r for r in behind if r not in dead] or behind
         gone = [r for r in behind if r in dead]
-        never = f"{ranks_text(missing)} never entered {e.name}"
+        raisers = [r for r in missing if r in (raised or {})]
+        quiet = [r for r in missing if r not in raisers]
+        never = "; ".join(
+            [f"{ranks_text(rs)} raised {kind} before {e.name}"
+             for kind, rs in grouped_by(raisers, raised or {})] +
+            ([f"{ranks_text(quiet)} never entered {e.name}"] if quiet else []))
         if gone and len(gone) < len(behind):
             never += f" ({ranks_text(gone)} died before it)"
         elif gone:
@@ -372,6 +381,14 @@ def compare_group(by_rank: dict[int, dict[int, Entry]], dead: set[int]
         e = by_rank[waiting[0]][reached[waiting[0]]]
         return f"every rank waits in {e.name}, with the same tensors", False
     return None
+
+
+def grouped_by(ranks: list[int], kind: dict[int, str]) -> list[tuple[str, list[int]]]:
+    """``ranks`` by their ``kind`` (an exception's type), in rank order."""
+    out: dict[str, list[int]] = {}
+    for r in ranks:
+        out.setdefault(kind[r], []).append(r)
+    return list(out.items())
 
 
 def grouped(at: dict[int, Entry], key) -> list[tuple[list[int], Entry]]:

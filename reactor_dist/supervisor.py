@@ -443,17 +443,18 @@ class Supervisor:
             collective_ring.fresh(segment.mm)
             self.rings.append(segment)
 
-    def collectives(self, seq: int | None, dead: Sequence[int] = ()
-                    ) -> collective_ring.Report | None:
+    def collectives(self, seq: int | None, dead: Sequence[int] = (),
+                    raised: dict[int, str] | None = None) -> collective_ring.Report | None:
         """What every rank's ring says of call ``seq`` (None: the latest recorded), read
-        here with no help from the ranks; None when none recorded a collective."""
+        here with no help from the ranks; None when none recorded a collective.
+        ``raised``: the ranks that raised in it, by their exception's type."""
         if not self.rings:
             return None
         try:
             rings = {r: collective_ring.read(segment.mm) for r, segment in enumerate(self.rings)}
         except (ValueError, struct_error):  # closed meanwhile, or a torn header
             return None
-        return collective_ring.report(rings, seq, dead)
+        return collective_ring.report(rings, seq, dead, raised=raised)
 
     def with_collectives(self, error: Any, report: collective_ring.Report | None) -> None:
         """Each failure record of ``error`` gets its rank's collective line."""
@@ -513,7 +514,9 @@ class Supervisor:
         bound = {"start()": " (start_timeout: raise it if load() really takes longer)",
                  "restart()": " (restart(timeout=), start_timeout by default: raise it if "
                               "load() really takes longer)"}.get(what, "")
-        report = self.collectives(seq, self.ranks.dead()) if seq is not None else None
+        report = self.collectives(seq, self.ranks.dead(), {
+            r: record.type.rpartition(".")[2] for r, (record, _) in raised.items()}) \
+            if seq is not None else None
         error = timeout_error(f"no answer from rank {', '.join(map(str, silent))} within "
                               f"{timeout:g} s during {what}{bound}", raised,
                               self.ranks.stacks(silent), report)

@@ -35,8 +35,10 @@ def test_a_rank_that_raised_before_a_collective_reaches_the_caller_behind_the_ti
             runner.generate(RaiseBeforeAllReduce(rank=1))
     exc = info.value
     message = str(exc)
-    assert message.startswith("no answer from rank 0 within 1 s during generate() (call 1) "
-                              "(rank 1 raised ValueError: bad shape on rank 1: expected (8, 64)")
+    first, second = message.splitlines()[:2]
+    assert first == "rank 1 raised ValueError before all_reduce #1 of call 1; rank 0 waits in it"
+    assert second.startswith("no answer from rank 0 within 1 s during generate() (call 1) "
+                             "(rank 1 raised ValueError: bad shape on rank 1: expected (8, 64)")
     assert "[rank 1] remote traceback:" in message and "in run\n" in message
     assert "in all_reduce" in message  # the silent rank's stack stays
     assert set(exc.rank_errors) == {1}
