@@ -140,7 +140,11 @@ class RankOutput:
             return 0
 
     def drain(self) -> None:
-        """Take in everything the rank wrote before it died (it is in the pipe by now)."""
+        """Take in everything the rank wrote so far (after it died: all of it, in the pipe
+        by now).  An empty pipe while the pump processes nothing costs one ioctl."""
+        if self._pending_bytes() <= 0 and self._lock.acquire(blocking=False):
+            self._lock.release()  # nothing read and half-processed, nothing to read
+            return
         with self._lock:
             while self._pending_bytes() > 0 and self._read_some():
                 pass
