@@ -185,7 +185,40 @@ def _own_file(path: str) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
 
 
-class PrivateView:
+class InputView:
+    """One mapping of an input segment, at an address of its own (libc's mmap: Python's
+    cannot map copy-on-write a file opened read-only); ``buffer`` is a ctypes array over
+    it, which numpy and torch take as a plain writable buffer."""
+
+    PROT, FLAGS = mmap.PROT_READ, mmap.MAP_SHARED
+
+    def __init__(self, directory: str, name: str) -> None:
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        try:
+            self.size = os.fstat(fd).st_size
+            addr = _libc.mmap(None, self.size, self.PROT, self.FLAGS, fd, 0)
+        finally:
+            os.close(fd)
+        if addr in (None, _MAP_FAILED):
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of input segment {name} failed: {os.strerror(err)}")
+        self.name, self.address = name, addr
+        self.buffer = (ctypes.c_uint8 * self.size).from_address(addr)
+
+    def close(self) -> None:
+        if self.address:
+            self.buffer = None
+            _libc.munmap(self.address, self.size)
+            self.address = 0
+
+
+class SharedReadView(InputView):
+    """A shared, read-only mapping of an input segment: the pages every rank sees before
+    it writes (what a CUDA rank registers to copy inputs from: staging.InputStaging).
+    Never written through (it is PROT_READ: a write would fault)."""
+
+
+class PrivateView(InputView):
     """A copy-on-write mapping of an input segment: a rank's writes stay its own.
 
     Mapping 97 MB costs about one memcpy in page-table work, so a mapping is kept
@@ -194,19 +227,7 @@ class PrivateView:
     dropped and made anew.
     """
 
-    def __init__(self, directory: str, name: str) -> None:
-        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-        try:
-            self.size = os.fstat(fd).st_size
-            prot = mmap.PROT_READ | mmap.PROT_WRITE
-            addr = _libc.mmap(None, self.size, prot, mmap.MAP_PRIVATE, fd, 0)
-        finally:
-            os.close(fd)
-        if addr in (None, _MAP_FAILED):
-            err = ctypes.get_errno()
-            raise OSError(err, f"mmap of input segment {name} failed: {os.strerror(err)}")
-        self.name, self.address = name, addr
-        self.buffer = (ctypes.c_uint8 * self.size).from_address(addr)
+    PROT, FLAGS = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE
 
     def written(self, offset: int = 0, nbytes: int | None = None) -> bool:
         """Whether any page (of the ``nbytes`` from ``offset``; by default all) became
@@ -224,12 +245,6 @@ class PrivateView:
         swapped = (entries >> np.uint64(62)) & np.uint64(1)
         file_backed = (entries >> np.uint64(61)) & np.uint64(1)
         return bool(np.any((present & (file_backed ^ np.uint64(1))) | swapped))
-
-    def close(self) -> None:
-        if self.address:
-            self.buffer = None
-            _libc.munmap(self.address, self.size)
-            self.address = 0
 
 
 def remove_prefix(directory: str, prefix: str) -> int:

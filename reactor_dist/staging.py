@@ -36,15 +36,15 @@ machine without a GPU exercises everything but the CUDA calls themselves.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import mmap
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from .shm import SharedReadView
 
 log = logging.getLogger("reactor_dist")
 
@@ -56,13 +56,6 @@ HINT_FROM = 8 << 20
 # What the H200 of issue 43 measured for 97 MB, for the hint's estimate: `.cpu().numpy()`
 # end to end, and a copy into page-locked memory.
 PAGEABLE_BYTES_PER_S, PINNED_BYTES_PER_S = 1.1e9, 54e9
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def stage_cpu() -> bool:
@@ -153,32 +146,6 @@ class ResultStaging:
             n / 1e6, n / PINNED_BYTES_PER_S * 1e3, n / PAGEABLE_BYTES_PER_S * 1e3)
 
 
-class DmaView:
-    """A shared, read-only mapping of one input segment, registered with CUDA: what
-    :meth:`InputStaging.to_device` copies from."""
-
-    def __init__(self, directory: str, name: str) -> None:
-        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-        try:
-            self.size = os.fstat(fd).st_size
-            address = _libc.mmap(None, self.size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        finally:
-            os.close(fd)
-        if address in (None, _MAP_FAILED):
-            err = ctypes.get_errno()
-            raise OSError(err, f"mmap of input segment {name} failed: {os.strerror(err)}")
-        self.name, self.address = name, address
-        # A ctypes array over it: numpy and torch see a plain buffer (never written).
-        self.bytes = np.frombuffer((ctypes.c_uint8 * self.size).from_address(address),
-                                   np.uint8)
-
-    def close(self) -> None:
-        if self.address:
-            self.bytes = None
-            _libc.munmap(self.address, self.size)
-            self.address = 0
-
-
 class InputStaging:
     """Every rank's fast path from an input array to its GPU (see the module's text).
     ``views()`` gives the rank's input mappings by name (PrivateView); ``pinning``
@@ -189,7 +156,7 @@ class InputStaging:
                  cpu_too: bool = False) -> None:
         self.directory, self.views, self.pinning = directory, views, pinning
         self.device, self.cpu_too = device, cpu_too
-        self.dma: dict[str, DmaView] = {}
+        self.dma: dict[str, SharedReadView] = {}
         self.fast = 0  # copies that took the registered mapping (tests read it)
 
     def to_device(self, x: Any, non_blocking: bool = True) -> Any:
@@ -237,9 +204,9 @@ class InputStaging:
             return None
         dma = self.dma.get(name)
         if dma is None:
-            dma = self.dma[name] = DmaView(self.directory, name)
+            dma = self.dma[name] = SharedReadView(self.directory, name)
             self.pinning.pin(dma, read_only=True)
-        raw = dma.bytes[offset:offset + nbytes]
+        raw = np.frombuffer(dma.buffer, np.uint8)[offset:offset + nbytes]
         if isinstance(dtype, torch.dtype):
             return torch.from_numpy(raw).view(dtype).view(shape)
         return torch.from_numpy(raw.view(dtype).reshape(shape))
