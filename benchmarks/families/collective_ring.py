@@ -5,11 +5,9 @@ the call), timed in alternating blocks in the same run.  Target: ≤ 2 % of that
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from benchmarks.config import Settings
 from benchmarks.report.results import Results, Row
-from benchmarks.report.stats import alternate_blocks, record_calls, summarize
+from benchmarks.report.stats import on_and_off
 from reactor_dist import DistributedWorker
 
 WORLD_SIZE = 2
@@ -45,25 +43,9 @@ class TwoAllReduces(DistributedWorker):
 
 
 def measure(settings: Settings, results: Results) -> None:
-    from reactor_dist import DistributedRunner
-
-    s = settings
-    runner = DistributedRunner(TwoAllReduces, world_size=WORLD_SIZE, device="cpu",
-                               call_timeout=120.0)
-    try:
-        runner.start()
-
-        def block(recorded: bool) -> Callable[[int, list[float]], None]:
-            def run(n: int, into: list[float]) -> None:
-                record_calls(lambda: runner.generate(recorded), n, into)
-            return run
-
-        samples = alternate_blocks({ON: block(True), OFF: block(False)},
-                                   calls=s.aio_calls, warmup=s.aio_warmup, rounds=s.aio_rounds)
-    finally:
-        runner.shutdown()
-    for key, v in samples.items():
-        results.put(METRIC, f"ws{WORLD_SIZE}", key, summarize(v))
+    for key, stats in on_and_off(TwoAllReduces, WORLD_SIZE, ON, OFF, calls=settings.aio_calls,
+                                 warmup=settings.aio_warmup, rounds=settings.aio_rounds).items():
+        results.put(METRIC, f"ws{WORLD_SIZE}", key, stats)
 
 
 def rows(results: Results, settings: Settings) -> list[Row]:

@@ -20,7 +20,7 @@ from benchmarks.config import Settings
 from benchmarks.families.overhead import INPUT
 from benchmarks.implementations.pools import EchoRunner
 from benchmarks.report.results import Results, Row, extra_row
-from benchmarks.report.stats import alternate_blocks, record_calls, summarize
+from benchmarks.report.stats import alternate_blocks, on_and_off, record_calls, summarize
 from benchmarks.timing_cost import AllReduceOnce
 
 WORLD_SIZE = 2
@@ -52,24 +52,9 @@ def measure(settings: Settings, results: Results) -> None:
 
 
 def measure_collective_waits(s: Settings, results: Results) -> None:
-    from reactor_dist import DistributedRunner
-
-    runner = DistributedRunner(AllReduceOnce, world_size=WORLD_SIZE, device="cpu",
-                               call_timeout=120.0)
-    try:
-        runner.start()
-
-        def block(timed: bool) -> Callable[[int, list[float]], None]:
-            def run(n: int, into: list[float]) -> None:
-                record_calls(lambda: runner.generate(timed), n, into)
-            return run
-
-        samples = alternate_blocks({TIMED: block(True), UNTIMED: block(False)},
-                                   calls=s.aio_calls, warmup=s.aio_warmup, rounds=s.aio_rounds)
-    finally:
-        runner.shutdown()
-    for key, v in samples.items():
-        results.put(METRIC, f"ws{WORLD_SIZE}", key, summarize(v))
+    for key, stats in on_and_off(AllReduceOnce, WORLD_SIZE, TIMED, UNTIMED, calls=s.aio_calls,
+                                 warmup=s.aio_warmup, rounds=s.aio_rounds).items():
+        results.put(METRIC, f"ws{WORLD_SIZE}", key, stats)
 
 
 def rows(results: Results, settings: Settings) -> list[Row]:

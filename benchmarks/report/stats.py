@@ -117,3 +117,24 @@ def interleave(
                 failed(key, exc)
                 del live[key]
     return {k: summarize(v) for k, v in samples.items() if v and k in live}
+
+
+def on_and_off(worker_cls: type, world_size: int, on: str, off: str, *, calls: int,
+               warmup: int, rounds: int) -> dict[str, Stats]:
+    """A runner of ``worker_cls`` (CPU, its gloo group) whose ``generate(flag)`` runs with
+    a feature (True) or without it (False), timed in alternating blocks: each one's
+    samples, summarised, as ``on`` and ``off``."""
+    from reactor_dist import DistributedRunner
+
+    runner = DistributedRunner(worker_cls, world_size=world_size, device="cpu",
+                               call_timeout=120.0)
+    runner.start()
+    try:
+        def block(flag: bool) -> Callable[[int, list[float]], None]:
+            return lambda n, into: record_calls(lambda: runner.generate(flag), n, into)
+
+        samples = alternate_blocks({on: block(True), off: block(False)}, calls=calls,
+                                   warmup=warmup, rounds=rounds)
+    finally:
+        runner.shutdown()
+    return {key: summarize(v) for key, v in samples.items()}
