@@ -77,10 +77,15 @@ def test_a_real_prometheus_scrapes_the_runner_and_answers_every_dashboard_query(
                 # 7x under that (the time is workload()'s: no wall-clock value here).
                 assert calls["generate", "ok"] > 20 and calls["generate", "raised"] >= 1
 
-                at = server.wait_for(ok, calls["generate", "ok"])
+                # Both counters at the runner's final values in one scrape: a scrape between
+                # the last ok call and a raised call after it has the one and not the other.
+                server.wait_for(ok, calls["generate", "ok"])
+                at = server.wait_for(ok.replace('"ok"', '"raised"'), calls["generate", "raised"])
                 raised = server.query(
                     'reactor_dist_calls_total{method="generate",outcome="raised"}', at)
                 assert [float(r["value"][1]) for r in raised] == [calls["generate", "raised"]]
+                assert [float(r["value"][1]) for r in server.query(ok, at)] == [
+                    calls["generate", "ok"]]
                 # wall-clock: the 6 s workload, then a scrape (one a second) or two: about 8 s
                 # by design, 25 s is 3x that, and the 30 s window of the queries below holds it
                 assert time.monotonic() - began < 25, "the 30 s window must hold every call"
