@@ -212,7 +212,7 @@ class CallPath:
             self.inputs.retire_idle()  # a cache, never a hoard: they ride as RETIRED
         self.last_sent = started
         every_rank = False
-        if method == Method.GENERATE or method not in Method.BUILT_IN:
+        if Method.takes_input(method):
             what = "the input of generate()"
             if isinstance(value, Arguments):  # a worker method by name: its arguments
                 every_rank, value = value.every_rank, (value.args, value.kwargs)
@@ -256,7 +256,7 @@ class CallPath:
         header: dict[str, Any] = {Field.KIND: Kind.CALL, Field.METHOD: command.method}
         if command.descriptors:
             header[Field.DESCRIPTORS] = command.descriptors
-        if command.method == Method.GENERATE or command.method not in Method.BUILT_IN:
+        if Method.takes_input(command.method):
             header[Field.DIGEST] = True
         if command.every_rank:
             header[Field.ALL] = True

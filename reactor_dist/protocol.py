@@ -254,6 +254,12 @@ class Method:
     SNAPSHOT, RESTORE = "snapshot", "restore"
     BUILT_IN = frozenset({GENERATE, RESET, SNAPSHOT, RESTORE})
 
+    @staticmethod
+    def takes_input(method: str) -> bool:
+        """Whether a CALL of ``method`` carries a payload: generate's input, or a named
+        method's ``(args, kwargs)``."""
+        return method == Method.GENERATE or method not in Method.BUILT_IN
+
 
 class Place:
     """Where a payload buffer lies (``Descriptor.place``)."""
