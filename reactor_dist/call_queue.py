@@ -84,6 +84,10 @@ WAKE = 0.25  # seconds: the longest one receive or wait lasts before its waiter 
 WAKE_MS = timeouts.wait_ms(WAKE)
 POLLIN = int(zmq.POLLIN)  # a plain int: pyzmq's flag enums cost microseconds a test
 DRAIN_MOST = 64  # messages one asyncio poll takes before it lets the loop run
+# Seconds a death's notice waits for the replies a dead rank sent before it died
+# (CallQueue.last_replies): the ring says they were sent; without a ring, a short look.
+LAST_REPLIES = 0.5
+LAST_REPLIES_UNKNOWN = 0.05
 
 
 class State(enum.Enum):
@@ -188,6 +192,7 @@ class CallQueue:
         self.answered_due = 0  # a Kind.ANSWERED not yet sent (a rank's pipe was full)
         self.observers: tuple[Observer, ...] = ()  # metrics, traces (observers.py)
         self.receiving = False  # a caller owns the reply socket now
+        self.dying = False  # a death's notice waits for the dead ranks' last replies
         self.sending = False  # a caller is between encode and publish
         self.waiting = 0  # threads in changed.wait() (none: no notify to pay for)
         self.wakers: list[Waker] = []
@@ -746,16 +751,58 @@ class CallQueue:
                 while in_flight and len(in_flight[0].replies) == self.world_size:
                     self.answered(in_flight.popleft())
         elif kind == Kind.DEATH and header.get(Field.EPOCH, 0) == self.supervisor.epoch:
+            if self.dying:
+                return  # the first notice judges every rank dead by then
             dead = self.supervisor.dead() or [header[Field.RANK]]
-            # The call the dead rank was running: the first it had not answered.
-            at = next((c for c in self.in_flight if not all(r in c.replies for r in dead)),
-                      None)
+            self.dying = True
+            try:
+                begun = self.last_replies(dead)
+            finally:
+                self.dying = False
+            if self.state is not HEALTHY:  # a last reply broke it
+                return
+            # The call the dead ranks were running: the first they had not answered and
+            # had begun, by their rings (a reply lost with its rank fails its call too).
+            owed = [c for c in self.in_flight if not all(r in c.replies for r in dead)]
+            at = next((c for c in owed if c.seq >= begun), owed[0] if owed else None)
             if at is None:
                 self.broken(self.supervisor.crashed(dead, "an idle moment between calls",
                                                     logged=False))
             else:
                 self.broken(self.supervisor.crashed(dead, at.what, at.seq, at.method,
                                                     logged=False), at)
+
+    def last_replies(self, dead: list[int]) -> int:
+        """A rank that died may have answered calls sent before the one it died in (calls
+        in flight), its replies still on their way behind the death's notice: dispatch
+        them first, for at most LAST_REPLIES seconds, so that the death fails the call it
+        died in and a snapshot it finished counts.  Its ring tells which calls it ended;
+        without one, a short look while it owes more than one.  The earliest seq the dead
+        ranks began, by their rings (0: not known)."""
+        begun = {r: self.supervisor.begun(r) for r in dead}
+
+        def owed_before() -> bool:
+            for rank, seq in begun.items():
+                owed = [c.seq for c in self.in_flight if rank not in c.replies]
+                if (owed and seq is not None and owed[0] < seq) or \
+                        (seq is None and len(owed) > 1):
+                    return True
+            return False
+
+        path = self.path
+        assert path is not None
+        known = [seq for seq in begun.values() if seq is not None]
+        give_up = time.monotonic() + (LAST_REPLIES if len(known) == len(begun) else
+                                      LAST_REPLIES_UNKNOWN)
+        while self.state is HEALTHY and owed_before():
+            now = time.monotonic()
+            if now >= give_up:
+                break
+            message = path.bus.receive(timeouts.wait_ms(give_up - now))
+            if message is not None:
+                path.arrived(message[0])
+                self.dispatch(message)
+        return min(known, default=0)
 
     def answered(self, call: Call) -> None:
         """Every rank answered ``call``: judge it; the next call starts its clock."""

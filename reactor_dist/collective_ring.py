@@ -9,7 +9,8 @@ start, removed with the runner's other entries).  The caller maps them all and r
 them while a rank hangs, and after it died, with no help from the rank; :func:`report`
 compares the ranks' entries of one call and says what differs in one line.
 
-Layout: a header of :data:`ENTRY` bytes (magic, slots, entries written so far), then
+Layout: a header of :data:`ENTRY` bytes (magic, slots, entries written so far, the call
+the rank began last), then
 :data:`SLOTS` entries of :data:`ENTRY` bytes; entry ``n`` lives in slot ``n % SLOTS``.
 The rank writes an entry whole, then bumps the count; leaving is one byte (its state).
 """
@@ -30,6 +31,8 @@ ENTRY = 128
 SIZE = ENTRY * (SLOTS + 1)
 HEAD = struct.Struct("<IHHIQ")  # magic, version, entry size, slots, entries written
 COUNT_AT = 12
+BEGUN_AT = 20  # the seq of the call the rank began last (u32; 0: none yet)
+BEGUN = struct.Struct("<I")
 # seq, index (in its group, within the call), number (of its kind, within the call),
 # state, kind, tensors recorded, group size (0: every rank), group hash (0: every rank),
 # entered (CLOCK_MONOTONIC, the same clock in every process of the machine), peer
@@ -99,8 +102,10 @@ class Writer:
         self.number: dict[int, int] = {}  # per kind: collectives so far in this call
 
     def begin(self, seq: int) -> None:
-        """A call begins: its collectives are numbered from 1."""
+        """A call begins: its collectives are numbered from 1, and the caller can tell
+        that the calls before it ran to their end here (:func:`begun`)."""
         self.seq = seq
+        BEGUN.pack_into(self.mm, BEGUN_AT, seq & 0xFFFFFFFF)
         self.index.clear()
         self.number.clear()
 
@@ -178,6 +183,13 @@ class Entry:
                 f"[{', '.join('huge' if d == BIG else str(d) for d in shape)}]"
             parts.append(f"{listed} x {dims} {dtype}" if listed else f"{dims} {dtype}")
         return ", ".join(parts)
+
+
+def begun(buffer: mmap.mmap | bytes) -> int:
+    """The seq of the call the rank began last (0: none, or not a ring): a rank that
+    died after it had answered the calls before it died in this one."""
+    magic, = struct.unpack_from("<I", buffer, 0)
+    return BEGUN.unpack_from(buffer, BEGUN_AT)[0] if magic == MAGIC else 0
 
 
 def read(buffer: mmap.mmap | bytes) -> list[Entry]:

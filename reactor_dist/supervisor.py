@@ -456,6 +456,14 @@ class Supervisor:
             return None
         return collective_ring.report(rings, seq, dead, raised=raised)
 
+    def begun(self, rank: int) -> int | None:
+        """The seq of the call rank ``rank`` began last, read from its ring (None: no
+        ring here, as at world_size 1 or across nodes, or none begun yet)."""
+        try:
+            return collective_ring.begun(self.rings[rank].mm) or None
+        except (IndexError, ValueError):  # no ring, or closed meanwhile
+            return None
+
     def with_collectives(self, error: Any, report: collective_ring.Report | None) -> None:
         """Each failure record of ``error`` gets its rank's collective line."""
         if report is not None:

@@ -9,7 +9,11 @@ test's process, for any world size, so an uninterrupted run needs no runner.
 
 An input ``Die(x, rank, marker)`` makes that rank SIGKILL itself in the step, after it
 advanced its state half and before the all_reduce the others wait in, once: it creates
-``marker`` first, so that the replay and the retry of that very call go through.  Each
+``marker`` first, so that the replay and the retry of that very call go through.  It
+dies 0.2 s into the step, as a real fault comes partway through one: a rank killed
+within microseconds of its previous reply can take that reply with it (still in its
+zmq I/O thread), and a snapshot's reply lost so makes that snapshot incomplete (the
+restart then goes back to the one before it).  Each
 ``load()`` and ``rejoin()`` appends the pid to ``<state_dir>/load-<rank>`` or
 ``rejoin-<rank>`` (a spare's load: ``load-spare``).
 """
@@ -84,6 +88,7 @@ class Rollout(DistributedWorker):
         self.state += x * (self.rank + 1)
         if die is not None and die.rank == self.rank and not os.path.exists(die.marker):
             open(die.marker, "w").close()
+            time.sleep(0.2)
             os.kill(os.getpid(), signal.SIGKILL)
         head = torch.from_numpy(self.state[:4].copy())
         if self.world_size > 1:

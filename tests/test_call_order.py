@@ -140,3 +140,30 @@ def test_a_death_names_the_call_the_dead_rank_ran_not_the_one_in_front():
         assert str(first_info.value).startswith(
             "generate() (call 1) did not run to its end: the runner broke at generate() "
             "(call 2): rank 1 died"), str(first_info.value)
+
+
+def test_a_rank_that_dies_the_moment_it_begins_a_call_is_named_in_that_call():
+    """Rank 1 answers call 1 and leaves the moment it begins call 2: its reply to call
+    1 may still be on its way behind the death's notice, or lost with it.  Its ring says
+    it began call 2, so the crash is call 2's either way; call 1 has its result, or
+    (its reply lost) says that call 2 broke the runner.  Three rounds, restarts between."""
+    with runner_of(2) as runner:
+        calls = 0
+        for _ in range(3):
+            first = runner.submit(NapOn(0, 0.0, "first"))
+            second = runner.submit(NapThenExit(1, 0.0))
+            with pytest.raises(WorkerCrashed) as info:
+                second.result(timeout=30)
+            died = re.match(r"rank 1 died during generate\(\) \(call (\d+)\): ", str(info.value))
+            assert died, str(info.value)
+            seq = int(died[1])
+            assert seq == calls + 2, str(info.value)  # the second call of this round
+            try:
+                assert first.result(timeout=30) == "first"
+            except WorkerCrashed as exc:
+                assert str(exc).startswith(
+                    f"generate() (call {seq - 1}) did not run to its end: the runner broke at "
+                    f"generate() (call {seq}): rank 1 died"), str(exc)
+            runner.restart()
+            calls = seq
+        assert runner.generate(3.0) == reduced(3.0, 2)

@@ -99,10 +99,15 @@ def test_each_rank_has_a_ring_in_dev_shm_while_started_and_none_after():
                        n.startswith("rdist.") and str(os.getpid()) in n)
         assert [n.rsplit(".", 1)[1] for n in rings] == ["coll0", "coll1"]
         with open(os.path.join("/dev/shm", rings[1]), "rb") as f:
-            entries = collective_ring.read(f.read())
+            ring = f.read()
+        entries = collective_ring.read(ring)
         assert [(e.seq, e.index, e.kind, e.state, e.shapes) for e in entries[-2:]] == [
             (1, 1, "all_reduce", collective_ring.LEFT, "[4] float32"),
             (1, 2, "all_reduce", collective_ring.LEFT, "[4] float32")]
+        assert collective_ring.begun(ring) == 1  # the call it began last
+        runner.reset()  # call 2, no collective: the ring still says the rank began it
+        with open(os.path.join("/dev/shm", rings[0]), "rb") as f:
+            assert collective_ring.begun(f.read()) == 2
     assert not [n for n in os.listdir("/dev/shm") if ".coll" in n and str(os.getpid()) in n]
 
 
