@@ -24,9 +24,10 @@ from typing import Any
 import psutil
 
 from benchmarks.chaos_workers import InjectedError
-from reactor_dist import CallQueueFull, RankDesync, WorkerCrashed, WorkerTimeout, shm
-from reactor_dist.protocol import IPC_DIR_PREFIX, MARK_ENV
-from reactor_dist.template import Template
+from reactor_dist import CallQueueFull, RankDesync, WorkerCrashed, WorkerTimeout
+from reactor_dist.placement.template import Template
+from reactor_dist.shm import segments
+from reactor_dist.wire.protocol import IPC_DIR_PREFIX, MARK_ENV
 
 # The RuntimeErrors the contract allows, by their words (docs/errors-and-recovery.md).
 ALLOWED_RUNTIME = {
@@ -225,8 +226,8 @@ def ipc_dirs() -> set[str]:
 
 
 def shm_entries() -> list[str]:
-    prefix = shm.owner_prefix() + "."
-    return [n for n in os.listdir(shm.DEFAULT_DIR) if n.startswith(prefix)]
+    prefix = segments.owner_prefix() + "."
+    return [n for n in os.listdir(segments.DEFAULT_DIR) if n.startswith(prefix)]
 
 
 def leftovers() -> list[str]:
@@ -267,7 +268,7 @@ def end_everything() -> None:
             child.wait(timeout=5)
     for name in shm_entries():
         with contextlib.suppress(OSError):
-            os.unlink(os.path.join(shm.DEFAULT_DIR, name))
+            os.unlink(os.path.join(segments.DEFAULT_DIR, name))
     for path in ipc_dirs():
         shutil.rmtree(path, ignore_errors=True)
 

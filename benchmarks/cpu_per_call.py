@@ -26,7 +26,7 @@ import psutil
 from benchmarks.families.overhead import INPUT
 from benchmarks.implementations.pools import EchoRunner
 from benchmarks.implementations.raw_floor import RawFloor
-from reactor_dist.template import Template
+from reactor_dist.placement.template import Template
 
 
 def main_thread_cpu_s(pids: list[int]) -> float:

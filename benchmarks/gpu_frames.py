@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from reactor_dist import DistributedWorker
-from reactor_dist.host_pinning import HostPinning
-from reactor_dist.shm import DEFAULT_DIR, Segment
+from reactor_dist.rank.host_pinning import HostPinning
+from reactor_dist.shm.segments import DEFAULT_DIR, Segment
 
 SHAPE = (81, 480, 832, 3)  # 97 MB of uint8 RGB frames
 NBYTES = int(np.prod(SHAPE))

@@ -1,4 +1,4 @@
-"""How reactor_dist.transfer.INLINE_LIMIT was chosen: echo latency of one buffer of each
+"""How reactor_dist.wire.transfer.INLINE_LIMIT was chosen: echo latency of one buffer of each
 size, all buffers inline (ZeroMQ frames) vs all through /dev/shm segments.
 
     .venv/bin/python -m benchmarks.inline_threshold

@@ -24,8 +24,8 @@ import time
 from prometheus_client import CollectorRegistry
 
 from reactor_dist import DistributedRunner, DistributedWorker, metrics
-from reactor_dist.calls import Call
-from reactor_dist.observers import OK
+from reactor_dist.caller.calls import Call
+from reactor_dist.caller.observers import OK
 
 
 class Echo(DistributedWorker):

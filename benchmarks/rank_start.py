@@ -1,5 +1,5 @@
 """``python -m benchmarks.rank_start [--trials N]``: what a runner's lifetime (start, one
-call, shutdown) costs with its ranks forked from a rank template (reactor_dist.template,
+call, shutdown) costs with its ranks forked from a rank template (reactor_dist.placement.template,
 the default) and with them spawned (``REACTOR_DIST_RANK_START=spawn``), with and without
 a torch group, world_size 2.
 

@@ -12,7 +12,7 @@ Two measurements, in the same run:
   alike.  The ranks always measure their compute (two ``perf_counter`` calls and one
   header field): that part is in both columns.
 
-And the collective-wait measurement (:mod:`reactor_dist.collective_wait`), also in the
+And the collective-wait measurement (:mod:`reactor_dist.rank.collective_wait`), also in the
 same run:
 
 * in process: the caller's part (reading each rank's ``Field.COLLECTIVE_WAIT``, the
@@ -36,9 +36,9 @@ import tempfile
 import time
 
 from reactor_dist import DistributedRunner, DistributedWorker
-from reactor_dist.calls import Call, collective_wait_seconds, compute_seconds
-from reactor_dist.protocol import Field
-from reactor_dist.timings import Recorder
+from reactor_dist.caller.calls import Call, collective_wait_seconds, compute_seconds
+from reactor_dist.caller.timings import Recorder
+from reactor_dist.wire.protocol import Field
 
 
 class Echo(DistributedWorker):
@@ -95,7 +95,7 @@ def waits_bookkeeping_ns(world_size: int, iterations: int = 200_000) -> float:
 def wrapper_alone_ns(iterations: int = 200_000) -> float:
     """Nanoseconds the timed wrapper adds around a collective that does nothing: its own
     cost, free of the collective's noise."""
-    from reactor_dist.collective_wait import CollectiveWaits, timed
+    from reactor_dist.rank.collective_wait import CollectiveWaits, timed
 
     def nothing(tensor: object) -> None:
         return None
@@ -117,7 +117,7 @@ def rank_wrapper_ns(rounds: int = 40, calls: int = 1000) -> tuple[float, float, 
     import torch
     import torch.distributed as dist
 
-    from reactor_dist import collective_wait
+    from reactor_dist.rank import collective_wait
 
     with tempfile.TemporaryDirectory() as tmp:
         store = dist.FileStore(os.path.join(tmp, "store"), 1)

@@ -35,8 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from reactor_dist import DistributedRunner
-from reactor_dist.stream import Stream
+from reactor_dist import DistributedRunner, Stream
 
 # The example models are the checkout's top-level ``workers`` package, which the
 # reactor-dist wheel does not install, and ``python examples/video_app.py`` puts only

@@ -11,6 +11,7 @@ needs the worker's side only, so the caller's side (``DistributedRunner`` and th
 modules behind it) is imported on first use of the name, not by ``import reactor_dist``.
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
@@ -31,6 +32,7 @@ from .errors import (
 from .worker import DistributedWorker, share_cpu_cores
 
 __all__ = [
+    "AsyncStream",
     "CallQueueFull",
     "DistributedRunner",
     "DistributedWorker",
@@ -44,6 +46,7 @@ __all__ = [
     "RemoteError",
     "RemoteTraceback",
     "SharedMemoryExhausted",
+    "Stream",
     "WorkerCrashed",
     "WorkerTimeout",
     "close_rank_templates",
@@ -54,22 +57,27 @@ __version__ = "0.1.0"
 
 
 if TYPE_CHECKING:
-    from .runner import DistributedRunner
-    from .template import close_rank_templates, set_rank_template_idle
+    from .caller.aio import AsyncStream
+    from .caller.runner import DistributedRunner
+    from .caller.stream import Stream
+    from .placement.template import close_rank_templates, set_rank_template_idle
 
 _TEMPLATE_NAMES = ("close_rank_templates", "set_rank_template_idle")
+# What runner.stream() and runner.astream() return, for annotations.
+_CALLER_NAMES = {"DistributedRunner": ".caller.runner", "Stream": ".caller.stream",
+                 "AsyncStream": ".caller.aio"}
 
 
 def __getattr__(name: str) -> Any:
-    """``DistributedRunner`` and the rank templates' controls on first use; deprecated
-    names (``SharedSlotAllocationFailed``) still work, with a warning."""
-    if name == "DistributedRunner":
-        from .runner import DistributedRunner
-
-        globals()[name] = DistributedRunner  # later lookups skip this function
-        return DistributedRunner
+    """``DistributedRunner``, the streams it returns and the rank templates' controls on
+    first use; deprecated names (``SharedSlotAllocationFailed``) still work, with a
+    warning."""
+    if name in _CALLER_NAMES:
+        module = importlib.import_module(_CALLER_NAMES[name], __name__)
+        globals()[name] = getattr(module, name)  # later lookups skip this function
+        return globals()[name]
     if name in _TEMPLATE_NAMES:
-        from . import template
+        from .placement import template
 
         globals()[name] = getattr(template, name)
         return globals()[name]

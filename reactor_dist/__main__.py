@@ -1,13 +1,14 @@
 """``python -m reactor_dist <command>`` (also the ``reactor-dist`` console script).
 
-Commands: ``doctor`` (:mod:`reactor_dist.doctor`).
+Commands: ``doctor`` (:mod:`reactor_dist.caller.doctor`).
 """
 
 from __future__ import annotations
 
 import sys
 
-COMMANDS = {"doctor": "check this machine, then a smoke run of its ranks (reactor_dist.doctor)"}
+COMMANDS = {"doctor": "check this machine, then a smoke run of its ranks "
+                      "(reactor_dist.caller.doctor)"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = f"reactor-dist: unknown command {args[0]!r}\n" if args else ""
         sys.stderr.write(unknown + usage)
         return 2
-    from . import doctor
+    from .caller import doctor
 
     return doctor.main(args[1:])
 

@@ -17,7 +17,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from .protocol import ErrorRecord
+from .wire.protocol import ErrorRecord
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 
-from .protocol import WorkerRef
+from .wire.protocol import WorkerRef
 
 FIX = ("Define the worker class at the top level of the script, above the guard (or in a "
        "module the script imports); keep only the code that builds and uses the runner "

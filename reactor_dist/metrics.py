@@ -3,7 +3,7 @@ exposition of the registry).  Needs the optional extra ``reactor-dist[metrics]``
 (prometheus-client); ``import reactor_dist`` never imports it.
 
 Why two halves: a call must stay cheap, and a scrape may be slow.  :class:`RunnerMetrics`
-is an :class:`~reactor_dist.observers.Observer` whose ``settled()`` hook only appends
+is an :class:`~reactor_dist.caller.observers.Observer` whose ``settled()`` hook only appends
 the call's tuples to a deque (under the call queue's lock); the scrape
 (:meth:`RunnerMetrics.families`) counts them into counters and histogram buckets in one
 numpy batch, and builds the metric families from those and from the runner's public
@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .observers import OUTCOMES, Observer
+from .caller.observers import OUTCOMES, Observer
 
 if TYPE_CHECKING:
-    from .calls import Call
-    from .runner import DistributedRunner
+    from .caller.calls import Call
+    from .caller.runner import DistributedRunner
 
 PREFIX = "reactor_dist_"
 # Upper bounds (seconds) of the histogram buckets: steps from 100 µs to 60 s.
@@ -102,7 +102,7 @@ class RunnerMetrics(Observer):
         self.collective_wait = [Histogram() for _ in range(world_size)]
         self.registry: Any = None  # set by register()
 
-    # -- hooks (under the call queue's lock: add, nothing more) ------------------------------
+    # -- hooks (under the call queue's lock: add, nothing more) ----------------------------
     def first_item(self, call: Call, at: float) -> None:
         self.first_item_seconds.observe(at - call.started)
 
@@ -158,7 +158,7 @@ class RunnerMetrics(Observer):
         for rank, hist in enumerate(self.compute):
             hist.observe_many(compute[:, rank])
 
-    # -- the scrape ---------------------------------------------------------------------------
+    # -- the scrape ------------------------------------------------------------------------
     def families(self) -> list[tuple[str, Any]]:
         """(family name, family) of this runner now; none once it was shut down.  Read
         under the fold lock: a hook that would fold meanwhile leaves it to this scrape."""

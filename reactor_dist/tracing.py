@@ -6,7 +6,7 @@ gets, from every runner it starts, one span per call (``reactor_dist.generate``,
 ``restart()`` (``reactor_dist.start``, ``reactor_dist.restart``), each a child of the
 span current where the call was made, so a request's trace shows the model step inside
 it.  A span carries the world size, the call number, each rank's compute seconds, the
-slowest rank and the outcome (:data:`reactor_dist.observers.OUTCOMES`); a failed call's
+slowest rank and the outcome (:data:`reactor_dist.caller.observers.OUTCOMES`); a failed call's
 error is recorded on it (an exception event, status ERROR); rank 0's first item is an
 event ``reactor_dist.first_item``.
 
@@ -18,7 +18,7 @@ before ``start()``, nothing is imported and nothing is done: the cost is one dic
 lookup per ``start()``.  :func:`instrument` attaches one explicitly (any provider, any
 time); :func:`uninstrument` removes it.
 
-All of this rides on :class:`reactor_dist.observers.Observer`: ``sent`` runs in the
+All of this rides on :class:`reactor_dist.caller.observers.Observer`: ``sent`` runs in the
 caller's thread or task, so the span starts there, in the caller's context; it is kept
 in ``call.tags`` and ended by ``settled``, in whichever thread received the last reply
 (under the call queue's lock: a span processor there must not block, as
@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from .observers import Observer
+from .caller.observers import Observer
 
 if TYPE_CHECKING:
-    from .calls import Call
+    from .caller.calls import Call
 
 
 class DistributedRunner(Protocol):

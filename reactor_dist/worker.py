@@ -19,7 +19,7 @@ import numpy as np
 
 from .device import usable_cores
 from .errors import MainGuardMissing
-from .protocol import WorkerRef
+from .wire.protocol import WorkerRef
 
 
 class DistributedWorker:
@@ -32,7 +32,7 @@ class DistributedWorker:
     ``rejoin()`` in which it takes a dead rank's place.  With
     ``DistributedRunner(snapshot_every=K)`` a worker also defines ``snapshot(self)``
     (this rank's session state, not its weights) and ``restore(self, state)``: every
-    restart puts the session back (:mod:`reactor_dist.session`).
+    restart puts the session back (:mod:`reactor_dist.caller.session`).
     """
 
     rank: int | None = 0

@@ -13,8 +13,9 @@ from typing import Any
 import psutil
 import pytest
 
-from reactor_dist import DistributedRunner, shm
-from reactor_dist.template import Template
+from reactor_dist import DistributedRunner
+from reactor_dist.placement.template import Template
+from reactor_dist.shm import segments
 
 # Every process the tests start inherits this (ranks, their children, apps in subprocesses):
 # it finds the ones that left the process tree (setsid, reparented to init).
@@ -71,14 +72,14 @@ def session_processes() -> set[int]:
 
 
 def templates() -> set[int]:
-    """The rank templates of this process (reactor_dist.template): they serve every runner
+    """The rank templates of this process (reactor_dist.placement.template): they serve every runner
     of the process and live as long as it does, so no test leaves them behind."""
     return Template.pids()
 
 
 def our_shm_entries() -> set[str]:
-    prefix = shm.owner_prefix() + "."
-    return {n for n in os.listdir(shm.DEFAULT_DIR) if n.startswith(prefix)}
+    prefix = segments.owner_prefix() + "."
+    return {n for n in os.listdir(segments.DEFAULT_DIR) if n.startswith(prefix)}
 
 
 def ipc_dirs() -> set[str]:

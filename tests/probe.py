@@ -11,17 +11,17 @@ import psutil
 import zmq
 
 from reactor_dist import DistributedRunner, DistributedWorker
-from reactor_dist.bus import Bus
-from reactor_dist.protocol import MARK_ENV, TEMPLATE_NAME
-from reactor_dist.rank_memory import RankMemory
-from reactor_dist.template import Template
+from reactor_dist.caller.bus import Bus
+from reactor_dist.placement.template import Template
+from reactor_dist.rank.memory import RankMemory
+from reactor_dist.wire.protocol import MARK_ENV, TEMPLATE_NAME
 
 
 def marked_by(runner_pid: int) -> list[psutil.Process]:
     """Every live process started by the ranks of the runners in process ``runner_pid``
-    (the ranks too): they carry its mark (processes.RankProcess.mark) in their
+    (the ranks too): they carry its mark (local.RankProcess.mark) in their
     environment, also after they left the rank's session or were reparented.  A rank
-    forked from a template (reactor_dist.template) shows the template's environment,
+    forked from a template (reactor_dist.placement.template) shows the template's environment,
     which carries the runner's pid; the template itself, which serves every runner of
     the process for as long as the process lives, is not counted."""
     found = []
@@ -36,7 +36,7 @@ def marked_by(runner_pid: int) -> list[psutil.Process]:
 
 
 def rank_memory_of(worker: DistributedWorker) -> RankMemory:
-    """Inside a rank: the rank's shared memory (reactor_dist.rank_memory), whose staging
+    """Inside a rank: the rank's shared memory (reactor_dist.rank.memory), whose staging
     counters (``result_staging.staged``, ``input_staging.fast``) say which path a tensor
     or an input took."""
     return worker._reactor_to_device.__self__
@@ -49,7 +49,7 @@ class Probe:
 
     @property
     def call_queue(self):
-        """The runner's call queue (reactor_dist.call_queue.CallQueue): its state machine."""
+        """The runner's call queue (reactor_dist.caller.call_queue.CallQueue): its state machine."""
         return self._queue
 
     @property
@@ -82,7 +82,7 @@ class Probe:
 
     @property
     def rank_processes(self) -> list:
-        """The ranks' processes.RankProcess handles: their ``popen.returncode`` (the exit
+        """The ranks' local.RankProcess handles: their ``popen.returncode`` (the exit
         status) stays readable after shutdown(); [] once ended."""
         ranks = self._supervisor.ranks
         return list(ranks.procs) if ranks is not None else []
@@ -116,7 +116,7 @@ class Probe:
 
     @property
     def secret(self) -> bytes:
-        """The per-runner secret every message is signed with (wire.Channel(secret))."""
+        """The per-runner secret every message is signed with (framing.Channel(secret))."""
         return self._supervisor.secret
 
     @property
@@ -141,13 +141,13 @@ class Probe:
     def placed(self) -> list[dict]:
         """placement="ray": each rank's node id, whether it shares this node, its pid
         and its host actor's pid (on its node); [] once shut down."""
-        group = self._supervisor.placement  # a placement.RayGroup
+        group = self._supervisor.placement  # a ray_group.RayGroup
         return [{"rank": h.rank, "node": h.node, "local": h.local, "pid": h.pid,
                  "host_pid": h.host_pid} for h in group.ranks]
 
     def signal_rank(self, rank: int, sig: int) -> None:
         """``sig`` to rank ``rank``'s process group through its handle
-        (processes.Rank.signal), wherever the rank runs."""
+        (base.Rank.signal), wherever the rank runs."""
         self._supervisor.ranks.procs[rank].signal(sig)
 
     @property
@@ -175,7 +175,7 @@ class Probe:
 
 
 def rank_templates() -> list:
-    """This process's rank templates (reactor_dist.template.Template), each with its
+    """This process's rank templates (reactor_dist.placement.template.Template), each with its
     ``process`` (a Popen) and ``orphans`` (the pids of the ranks forked for an
     interrupted request and not yet reaped)."""
     return list(Template._kept.values())

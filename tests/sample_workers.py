@@ -238,7 +238,7 @@ class ProcessFacts(Step):
 @dataclasses.dataclass
 class AtExit(Step):
     """Each rank registers an atexit handler that appends its rank to ``path``, and
-    prints a line it never flushes: what a rank's exit must still do (rank.leave)."""
+    prints a line it never flushes: what a rank's exit must still do (server.leave)."""
 
     path: str
 
@@ -628,7 +628,7 @@ def run_launcher_with_group_fault() -> None:
     torch.distributed group (worker code has not even been imported at that point)."""
     import json
 
-    from reactor_dist import group, rank
+    from reactor_dist.rank import group, server
 
     fault = json.loads(os.environ["REACTOR_TEST_FAULT"])
     form_group = group.Rendezvous.form_group
@@ -638,7 +638,7 @@ def run_launcher_with_group_fault() -> None:
         return form_group(self, device, port)
 
     group.Rendezvous.form_group = faulty_form_group
-    sys.exit(rank.main([]))
+    sys.exit(server.main([]))
 
 
 class TorchrunStyleWorker(DistributedWorker):

@@ -13,7 +13,7 @@ import numpy as np
 from stream_workers import Frames
 
 from reactor_dist import DistributedRunner, SharedMemoryExhausted
-from reactor_dist.ledger import IDLE_RETURN
+from reactor_dist.shm.ledger import IDLE_RETURN
 
 MB16 = 16_000_000
 

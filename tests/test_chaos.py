@@ -23,7 +23,8 @@ from conftest import wait_gone
 from probe import Probe
 from sample_workers import Echo, FullArray, SharedArray, Sleep, SpawnChild
 
-from reactor_dist import DistributedRunner, WorkerCrashed, shm
+from reactor_dist import DistributedRunner, WorkerCrashed
+from reactor_dist.shm import segments
 
 LIFETIMES = 30
 # From the kill (or the call's start) to WorkerCrashed: most under 0.1 s, the slowest
@@ -108,7 +109,7 @@ def lifetime(rng: random.Random, life: int) -> str:
     finally:
         runner.shutdown()
     assert wait_gone(pids, timeout=1.0) == [], f"{story}: processes left"
-    assert not [n for n in os.listdir(shm.DEFAULT_DIR) if n.startswith(prefix + ".")], story
+    assert not [n for n in os.listdir(segments.DEFAULT_DIR) if n.startswith(prefix + ".")], story
     assert not os.path.exists(ipc_dir), story
     return story
 

@@ -19,9 +19,9 @@ from reactor_dist import (
     RankDesync,
     WorkerCrashed,
     WorkerTimeout,
-    collective_ring,
 )
-from reactor_dist.collective_ring import Entry, report
+from reactor_dist.shm import collective_ring
+from reactor_dist.shm.collective_ring import Entry, report
 
 CALL = 2  # generate("ok") is call 1, the case call 2
 

@@ -12,12 +12,12 @@ import shutil
 
 import pytest
 
-from reactor_dist import protocol
-from reactor_dist.bus import Bus, private_dir
-from reactor_dist.protocol import COMMANDS, Delivery, Field, Kind
+from reactor_dist.caller.bus import Bus, private_dir
+from reactor_dist.wire import protocol
+from reactor_dist.wire.protocol import COMMANDS, Delivery, Field, Kind
 
-PACKAGE = pathlib.Path(protocol.__file__).parent
-RANK_SIDE = {"rank.py", "rank_memory.py"}  # where a rank acts on a command
+PACKAGE = pathlib.Path(protocol.__file__).parent.parent
+RANK_SIDE = {"server.py", "memory.py"}  # where a rank acts on a command (rank/)
 WIRE_PAGE = PACKAGE.parent / "docs" / "design" / "wire.md"
 
 
@@ -39,7 +39,7 @@ def test_every_command_kind_has_one_row_and_the_kinds_derive_from_it():
 def test_no_module_decides_a_delivery_of_its_own():
     """One way to publish, Bus.publish, which reads the table: a one-try kind given a
     deadline is refused (its retry belongs to its sender's next wait or beat)."""
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         assert "try_publish" not in path.read_text(), path.name
     ipc, lock = private_dir()
     bus = Bus(b"k" * 32, ipc, world_size=1)
@@ -62,7 +62,7 @@ def test_a_command_kind_is_named_on_each_side(kind):
     assert re.search(rf"^    {kind:<9} ->", protocol.__doc__ or "", re.M), \
         f"{kind}: no line in protocol.py's message table"
     senders, actors = [], []
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         if path.name == "protocol.py":
             continue
         tree = ast.parse(path.read_text())
@@ -70,7 +70,8 @@ def test_a_command_kind_is_named_on_each_side(kind):
                     isinstance(node.value, ast.Name) and node.value.id == "Kind"
                     for node in ast.walk(tree))
         if named:
-            (actors if path.name in RANK_SIDE else senders).append(path.name)
+            rank_side = path.parent.name == "rank" and path.name in RANK_SIDE
+            (actors if rank_side else senders).append(path.name)
     assert senders, f"Kind.{name}: no runner module sends it"
     assert actors, f"Kind.{name}: no rank module acts on it"
 
@@ -87,7 +88,7 @@ def test_the_wire_page_tells_every_row():
 def test_the_start_up_exchange_sends_only_beat_commands():
     """Supervisor.exchange re-sends on a beat: a kind the table does not give that
     delivery is refused before anything is sent."""
-    from reactor_dist.supervisor import Ask, Supervisor
+    from reactor_dist.caller.supervisor import Ask, Supervisor
 
     supervisor = Supervisor.__new__(Supervisor)
     supervisor.bus = object()  # never reached: the check comes first

@@ -18,7 +18,7 @@ from reactor_dist import DistributedRunner, DistributedWorker
 
 def no_children() -> bool:
     """No process but the rank templates, which earlier tests' runners started and which
-    serve every runner of this process (reactor_dist.template)."""
+    serve every runner of this process (reactor_dist.placement.template)."""
     own = templates()
     return [p for p in psutil.Process().children(recursive=True) if p.pid not in own] == []
 

@@ -35,7 +35,8 @@ def test_star_import_takes_no_deprecated_name():
 OLD_CATCH = textwrap.dedent("""
     import os, warnings
     import numpy as np
-    from reactor_dist import DistributedRunner, shm
+    from reactor_dist import DistributedRunner
+    from reactor_dist.shm import segments
     warnings.simplefilter("error", DeprecationWarning)
     try:
         from reactor_dist import SharedSlotAllocationFailed
@@ -44,7 +45,7 @@ OLD_CATCH = textwrap.dedent("""
     warnings.simplefilter("ignore", DeprecationWarning)
     from reactor_dist import SharedSlotAllocationFailed
     from sample_workers import Echo
-    os.environ[shm.LIMIT_ENV] = str(16 << 20)
+    os.environ[segments.LIMIT_ENV] = str(16 << 20)
     with DistributedRunner(Echo, world_size=2, init_process_group=False,
                            device="cpu", shm_dir=os.environ["SHM_DIR"]) as runner:
         try:

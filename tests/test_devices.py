@@ -31,7 +31,7 @@ def test_a_gpu_named_twice_is_visible_once_and_each_place_finds_its_index():
     """gpus=[0, 1, 0] (a spare on rank 0's GPU): every process sees "0,1" (CUDA takes
     "0,1,0" or "0,0" for no GPU at all) and picks its own GPU by index in it."""
     from reactor_dist.device import cuda_visible_devices, gpu_index, visible_gpus
-    from reactor_dist.processes import LocalPlacement
+    from reactor_dist.placement.local import LocalPlacement
 
     assert visible_gpus([0, 1, 0]) == [0, 1]
     assert cuda_visible_devices([0, 1, 0]) == "0,1"

@@ -240,8 +240,8 @@ def test_the_api_pages_show_the_docstrings_rest_roles_as_code():
         "roles", os.path.join(REPO, "docs", "_hooks", "roles.py"))
     roles = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(roles)
-    html = ("see :meth:<code>submit</code>, :class:<code>~reactor_dist.stream.Stream</code> "
-            "and :mod:<code>reactor_dist.placement</code>; a:b:<code>c</code> stays")
+    html = ("see :meth:<code>submit</code>, :class:<code>~reactor_dist.caller.stream.Stream"
+            "</code> and :mod:<code>reactor_dist.placement</code>; a:b:<code>c</code> stays")
     assert roles.on_page_content(html) == (
         "see <code>submit</code>, <code>Stream</code> and <code>reactor_dist.placement</code>"
         "; a:b:<code>c</code> stays")

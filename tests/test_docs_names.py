@@ -15,8 +15,9 @@ not a .py file), or one that starts with a dot (``.cpu()``, a method of a tensor
 How a name reference resolves, first rule that applies:
 
 1. ``x.py`` (``workers/video.py``): with a folder, that path exists from the repository
-   root; bare, a file of that name exists in reactor_dist/, tests/, benchmarks/,
-   workers/ or examples/ (at any depth). A standard-library module's file
+   root or from reactor_dist/ (``caller/calls.py``, as the module map writes it);
+   bare, a file of that name exists in reactor_dist/, tests/, benchmarks/, workers/ or
+   examples/ (at any depth). A standard-library module's file
    (``argparse.py``) is Python's.
 2. A bare ``CapWords`` name, called or not (``DistributedRunner(...)``): a name
    defined at the top level of a module of the package or of workers/ (the ready models
@@ -125,11 +126,13 @@ def spans(text: str, page: str = "<text>") -> list[Span]:
 
 
 def submodules(package: Any) -> dict[str, Any]:
-    """Every module of a package by its short name (``calls``), imported."""
+    """Every module of a package and of its subpackages by its short name (``calls``,
+    ``caller``), imported (the short names are unique: tests/test_layout.py)."""
     found = {}
-    for info in pkgutil.iter_modules(package.__path__):
-        if info.name != "__main__":  # importing it runs the command line
-            found[info.name] = importlib.import_module(f"{package.__name__}.{info.name}")
+    for info in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+        short = info.name.rpartition(".")[2]
+        if short != "__main__":  # importing it runs the command line (or a rank)
+            found[short] = importlib.import_module(info.name)
     return found
 
 
@@ -271,7 +274,8 @@ def unresolved(code: str) -> str | None:
         return None
     if FILE.match(code):  # rule 1
         if "/" in code:
-            return None if os.path.isfile(os.path.join(REPO, code)) else "no such file"
+            return None if os.path.isfile(os.path.join(REPO, code)) or \
+                os.path.isfile(os.path.join(REPO, "reactor_dist", code)) else "no such file"
         if code[:-3] in sys.stdlib_module_names or code in files():
             return None
         return f"no such file in {', '.join(f + '/' for f in FILE_FOLDERS)}"
@@ -353,7 +357,7 @@ FIXTURE = """\
 The runner's `runner.generate(x)` sends a call (`calls.CallPath.send`), and
 `Supervisor.collect` gathers the answers; `generate()`, `DistributedWorker` and
 `workers/video.py` exist, `nope_at_all()` and `NoSuchClass` do not, nor does
-`reactor_dist.calls.Nope` or `no_such_file.py`.
+`reactor_dist.caller.calls.Nope` or `no_such_file.py`.
 
 ```python
 runner.not_a_method_but_in_a_fence()
@@ -377,7 +381,7 @@ def test_the_checker_finds_the_bad_names_of_a_page_and_only_those():
         "page.md:4: `Supervisor.collect`: Supervisor has no 'collect'",
         "page.md:5: `nope_at_all()`: no function or method nope_at_all() in the package",
         "page.md:5: `NoSuchClass`: " + NOT_DEFINED.format("NoSuchClass"),
-        "page.md:6: `reactor_dist.calls.Nope`: reactor_dist.calls has no 'Nope'",
+        "page.md:6: `reactor_dist.caller.calls.Nope`: reactor_dist.caller.calls has no 'Nope'",
         "page.md:6: `no_such_file.py`: no such file in reactor_dist/, tests/, benchmarks/, "
         "workers/, examples/",
         "page.md:17: `Gone.name`: " + NOT_DEFINED.format("Gone"),
@@ -398,7 +402,7 @@ REJECTED = re.compile(r"\babandon\w*|\bnobody waits\b|\bunattended\b", re.I)
 def test_one_word_for_a_call_nobody_takes():
     root = pathlib.Path(__file__).resolve().parents[1]
     found = []
-    for path in [*sorted((root / "reactor_dist").glob("*.py")),
+    for path in [*sorted((root / "reactor_dist").rglob("*.py")),
                  *sorted((root / "docs").rglob("*.md")), root / "README.md"]:
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if REJECTED.search(line) and "Words not used for it" not in line:

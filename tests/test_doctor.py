@@ -8,8 +8,8 @@ import sys
 
 import torch
 
-from reactor_dist import doctor
 from reactor_dist.__main__ import main as cli
+from reactor_dist.caller import doctor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

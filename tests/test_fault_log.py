@@ -14,7 +14,7 @@ from session_workers import Die, Rollout, reference
 from timing_workers import DiesInCall
 
 from reactor_dist import DistributedRunner, WorkerCrashed
-from reactor_dist.fault_log import headline, one_line
+from reactor_dist.caller.fault_log import headline, one_line
 
 XS = [1.0, 2.0, 3.0, 4.0, 5.0]
 # Another engineer's collective ring may put what the dead rank's collective was first.

@@ -82,7 +82,8 @@ from sample_workers import (
     SpawnChild,
 )
 
-from reactor_dist import DistributedRunner, RankDesync, WorkerCrashed, WorkerTimeout, shm
+from reactor_dist import DistributedRunner, RankDesync, WorkerCrashed, WorkerTimeout
+from reactor_dist.shm import segments
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
@@ -179,7 +180,7 @@ def assert_nothing_left(pids, ipc_dir, prefix, baseline: set[int]) -> None:
     assert wait_gone(pids, timeout=1.0) == [], "rank processes left"
     left = [p.pid for p in live_descendants() if p.pid not in baseline]
     assert wait_gone(left, timeout=1.0) == [], f"processes left: {left}"
-    assert not [n for n in os.listdir(shm.DEFAULT_DIR) if n.startswith(prefix + ".")]
+    assert not [n for n in os.listdir(segments.DEFAULT_DIR) if n.startswith(prefix + ".")]
     assert our_shm_entries() == set()
     assert ipc_dir is None or not os.path.exists(ipc_dir)
 
@@ -420,7 +421,8 @@ def check_caller_dies(rank: int, means: str, tmp_path) -> None:
     assert time.monotonic() - died < 2.0
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline:
-        entries = [n for n in os.listdir(shm.DEFAULT_DIR) if n.startswith(info["prefix"] + ".")]
+        entries = [n for n in os.listdir(segments.DEFAULT_DIR)
+                   if n.startswith(info["prefix"] + ".")]
         if not entries and not os.path.exists(info["ipc"]):
             break
         time.sleep(0.02)
@@ -467,11 +469,11 @@ def interrupt_after(delay: float):
 
 
 def shm_usage(prefix: str) -> tuple[int, int]:
-    names = [n for n in os.listdir(shm.DEFAULT_DIR) if n.startswith(prefix + ".")]
+    names = [n for n in os.listdir(segments.DEFAULT_DIR) if n.startswith(prefix + ".")]
     size = 0
     for n in names:
         with contextlib.suppress(FileNotFoundError):
-            size += os.stat(os.path.join(shm.DEFAULT_DIR, n)).st_blocks * 512
+            size += os.stat(os.path.join(segments.DEFAULT_DIR, n)).st_blocks * 512
     return len(names), size
 
 

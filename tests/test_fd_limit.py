@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from reactor_dist import descriptors
+from reactor_dist.caller import open_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD_SIZE = 4
@@ -30,8 +30,8 @@ CHILD = textwrap.dedent("""
     spec = json.loads(sys.argv[1])
     if spec["permissive"]:  # the situation of a check that passed, then a bind that fails
         try:
-            import reactor_dist.descriptors as descriptors
-            descriptors.check_room = lambda world_size: None
+            import reactor_dist.caller.open_files as open_files
+            open_files.check_room = lambda world_size: None
         except ImportError:  # before the check existed
             pass
     extra = [os.open(os.devnull, os.O_RDONLY) for _ in range(spec["extra_open"])]
@@ -64,7 +64,7 @@ CHILD = textwrap.dedent("""
                            isinstance(exc, zmq.ZMQError) or isinstance(exc, OSError)]
     del runner
     # The rank template's socket stays: it serves every runner of the process (template.py).
-    from reactor_dist.template import Template
+    from reactor_dist.placement.template import Template
     report["leftover_fds"] = [f for f in fds() if f not in before and f not in Template.fds()]
     report["leftover_dirs"] = dirs()
     print(json.dumps(report))
@@ -86,7 +86,7 @@ def run_child(limit: int = 0, above_used: int = 0, extra_open: int = 0,
 
 def expected_message(report: dict) -> str:
     limit, used = report["limit"], report["used"]
-    need = descriptors.needed(WORLD_SIZE)
+    need = open_files.needed(WORLD_SIZE)
     unlimited = report["hard"] == resource.RLIM_INFINITY
     suggest = max(used + need, 4096 if unlimited else min(4096, report["hard"]))
     hard = "unlimited" if unlimited else str(report["hard"])
@@ -104,7 +104,7 @@ def expected_message(report: dict) -> str:
     {"limit": 32},                      # the issue's first case: SIGABRT before
     {"limit": 64, "extra_open": 26},    # the issue's second: 64 with 30 in use
     {"limit": 16},                      # a ZMQError before, with fds and the dir left
-    {"above_used": descriptors.needed(WORLD_SIZE) - 1},  # one short
+    {"above_used": open_files.needed(WORLD_SIZE) - 1},  # one short
 ], ids=["32", "64-with-30-in-use", "16", "one-short"])
 def test_too_low_a_limit_is_a_clear_error_before_anything_starts(situation):
     report = run_child(**situation)
@@ -115,7 +115,7 @@ def test_too_low_a_limit_is_a_clear_error_before_anything_starts(situation):
 
 
 def test_just_enough_starts_and_calls():
-    report = run_child(above_used=descriptors.needed(WORLD_SIZE))
+    report = run_child(above_used=open_files.needed(WORLD_SIZE))
     assert "error" not in report, report["error"]
     assert report["answer"] is True and report["reset"] is None
     assert report["stream"] == ["item"]
@@ -146,6 +146,6 @@ def test_doctor_reports_the_limit_and_the_ranks_it_allows():
     shown = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
     found = lines[at].split("open files limit", 1)[1].strip()
     used = int(found.split("; ")[1].split(" in use")[0])
-    allowed = (64 - used - descriptors.FIXED - descriptors.SEGMENTS) // descriptors.PER_RANK
+    allowed = (64 - used - open_files.FIXED - open_files.SEGMENTS) // open_files.PER_RANK
     assert found == f"64 (hard {shown}); {used} in use, room for {allowed} ranks (4 asked)"
     assert lines[at + 1].strip() == "fix: ulimit -n 4096 (docker: --ulimit nofile=65536)"

@@ -1,7 +1,7 @@
 """Fuzzing the header/frame decoder and the runner's waiting loop.
 
-``wire.Channel.unpack`` must turn every message that is not an authentic, well-formed one
-into ``wire.ProtocolError`` (never another exception, never a hang), and accept
+``framing.Channel.unpack`` must turn every message that is not an authentic, well-formed one
+into ``framing.ProtocolError`` (never another exception, never a hang), and accept
 only headers whose kind, sequence number and rank have the right types.  A live
 runner's waiting loop must shrug off a burst of such messages in the middle of a
 call.
@@ -24,11 +24,12 @@ from hypothesis import strategies as st
 from probe import Probe
 from sample_workers import Echo, Sleep
 
-from reactor_dist import DistributedRunner, wire
-from reactor_dist.protocol import Field, Kind, Status
+from reactor_dist import DistributedRunner
+from reactor_dist.wire import framing
+from reactor_dist.wire.protocol import Field, Kind, Status
 
 SECRET = bytes(range(32))
-CHANNEL = wire.Channel(SECRET)
+CHANNEL = framing.Channel(SECRET)
 KINDS = sorted(Kind.ALL)
 FUZZ = settings(max_examples=400, deadline=1000, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -71,14 +72,14 @@ def check(parts) -> None:
     """unpack either refuses with ProtocolError or returns a header that passed every check."""
     try:
         header, body = CHANNEL.unpack(parts)
-    except wire.ProtocolError as exc:
+    except framing.ProtocolError as exc:
         assert str(exc)  # a clear internal error, never an empty one
         return
     assert isinstance(header, dict)
     assert header[Field.KIND] in Kind.ALL and Field.EMBEDDED not in header
     assert type(header[Field.SEQ]) is int and type(header[Field.RANK]) is int
     frames = [bytes(memoryview(p)) for p in parts[1:]]
-    sent = msgpack.unpackb(bytes(memoryview(parts[0]))[wire.MAC_SIZE:])
+    sent = msgpack.unpackb(bytes(memoryview(parts[0]))[framing.MAC_SIZE:])
     if Field.EMBEDDED in sent:  # a small first body frame rides in the header
         frames.insert(0, sent[Field.EMBEDDED])
     assert [bytes(memoryview(b)) for b in body] == frames
@@ -87,7 +88,7 @@ def check(parts) -> None:
 @FUZZ
 @given(as_frames)
 def test_arbitrary_multipart_messages_are_rejected(parts):
-    with pytest.raises(wire.ProtocolError):
+    with pytest.raises(framing.ProtocolError):
         CHANNEL.unpack(parts)
 
 
@@ -119,7 +120,7 @@ def test_any_alteration_of_an_authentic_message_is_rejected(kind, seq, rank, pay
     at %= len(flat)
     flat[at] ^= 1 << (bit % 8)
     cut = len(parts[0])
-    with pytest.raises(wire.ProtocolError):
+    with pytest.raises(framing.ProtocolError):
         CHANNEL.unpack([bytes(flat[:cut]), bytes(flat[cut:])])
 
 
@@ -137,7 +138,7 @@ def test_any_alteration_of_an_authentic_message_is_rejected(kind, seq, rank, pay
 ])
 def test_nasty_msgpack_with_a_valid_mac_is_rejected_quickly(head):
     started = time.monotonic()
-    with pytest.raises(wire.ProtocolError):
+    with pytest.raises(framing.ProtocolError):
         CHANNEL.unpack(signed(head, []))
     # wall-clock: up to 1 ms on an idle machine, 0.5 s is 450x that; building what the
     # header claims (4 GB, 4 billion items) would take seconds or fail
@@ -155,7 +156,7 @@ def random_message(rng: random.Random) -> list[bytes]:
               Field.DESCRIPTORS: []}
     head = msgpack.packb(header)
     if choice == 1:   # signed with the wrong secret
-        return wire.Channel(rng.randbytes(32)).pack(header, [rng.randbytes(20)])
+        return framing.Channel(rng.randbytes(32)).pack(header, [rng.randbytes(20)])
     if choice == 2:   # a zero MAC
         return [b"\0" * 32 + head, rng.randbytes(20)]
     if choice == 3:   # truncated

@@ -176,7 +176,7 @@ def test_a_balanced_run_on_cuda_warns_of_no_straggler(caplog):
 
 DEVICE_EVENTS = """
 import os, sys, torch, torch.distributed as dist
-from reactor_dist import collective_wait
+from reactor_dist.rank import collective_wait
 store = dist.FileStore(sys.argv[1], 1)
 dist.init_process_group("cpu:gloo,cuda:nccl", store=store, rank=0, world_size=1,
                         device_id=torch.device("cuda:0"))

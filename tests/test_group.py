@@ -7,7 +7,7 @@ import torch
 from group_workers import GroupProbe
 
 from reactor_dist import DistributedRunner
-from reactor_dist.group import group_options
+from reactor_dist.rank.group import group_options
 from reactor_dist.timeouts import GROUP_MARGIN, GROUP_WITHOUT_CALL_TIMEOUT, LIBRARY_CAP
 
 

@@ -27,9 +27,11 @@ import zmq
 from probe import Probe
 from sample_workers import Echo, FullArray, Step
 
-from reactor_dist import DistributedRunner, SharedMemoryExhausted, WorkerCrashed, shm, wire
-from reactor_dist.ledger import NAME_TRIES, Ledger
-from reactor_dist.protocol import Field, Kind
+from reactor_dist import DistributedRunner, SharedMemoryExhausted, WorkerCrashed
+from reactor_dist.shm import segments
+from reactor_dist.shm.ledger import NAME_TRIES, Ledger
+from reactor_dist.wire import framing
+from reactor_dist.wire.protocol import Field, Kind
 
 apps = test_runner_death.apps  # runners in a subprocess, to be killed
 
@@ -121,7 +123,7 @@ def test_a_directory_squatting_on_a_runners_names_never_stops_its_shutdown(tmp_p
     try:
         with small_runner() as runner:
             runner.generate(np.ones(1 << 20, np.uint8))
-            squat = f"{shm.DEFAULT_DIR}/{Probe(runner).shm_prefix}.in99"
+            squat = f"{segments.DEFAULT_DIR}/{Probe(runner).shm_prefix}.in99"
             os.mkdir(squat)
         assert os.path.isdir(squat)
     finally:
@@ -132,7 +134,7 @@ def test_a_directory_squatting_on_a_runners_names_never_stops_its_shutdown(tmp_p
 def test_ranks_end_after_a_sigkilled_runner_whatever_squats_in_dev_shm(apps):
     app = apps("idle")
     app.read_running()
-    squat = f"{shm.DEFAULT_DIR}/{app.info['prefix']}.squat"
+    squat = f"{segments.DEFAULT_DIR}/{app.info['prefix']}.squat"
     os.mkdir(squat)
     try:
         since = app.kill()
@@ -144,7 +146,7 @@ def test_ranks_end_after_a_sigkilled_runner_whatever_squats_in_dev_shm(apps):
 def test_names_taken_in_advance_do_not_stop_calls():
     """Whoever sees one name cannot take the next ones: names carry a random token."""
     runner = small_runner()
-    prefix = f"{shm.DEFAULT_DIR}/{Probe(runner).shm_prefix}."
+    prefix = f"{segments.DEFAULT_DIR}/{Probe(runner).shm_prefix}."
     squatted = [f"{prefix}{tag}{n}" for tag in ("in", "r0-") for n in range(1, 40)]
     for path in squatted:
         open(path, "x").close()
@@ -155,7 +157,7 @@ def test_names_taken_in_advance_do_not_stop_calls():
             assert runner.generate(FullArray([5 << 20])).nbytes == 5 << 20
     finally:
         for path in squatted:
-            shm.unlink_quietly(path)
+            segments.unlink_quietly(path)
 
 
 def test_a_name_somebody_took_first_is_passed_over(tmp_path):
@@ -226,7 +228,7 @@ NAMESPACED_APP = textwrap.dedent("""
 def sticky_dir() -> str:
     """A directory like /dev/shm (mode 1777, on tmpfs) that other runners on the machine
     never look into: what happens there is this test's doing alone."""
-    path = f"{shm.DEFAULT_DIR}/rdt-{os.urandom(4).hex()}"
+    path = f"{segments.DEFAULT_DIR}/rdt-{os.urandom(4).hex()}"
     os.mkdir(path)
     os.chmod(path, 0o1777)
     return path
@@ -356,9 +358,9 @@ def test_forged_frames_under_the_bound_are_never_copied_before_their_mac_fails()
 def test_a_message_over_the_bound_in_all_is_dropped_frame_by_frame(tmp_path, monkeypatch):
     """Frames each under the frame bound, together over the message bound: rejected
     without being held, and the socket reads the next message cleanly."""
-    monkeypatch.setattr(wire, "MAX_MESSAGE", 10 << 20)
+    monkeypatch.setattr(framing, "MAX_MESSAGE", 10 << 20)
     secret = os.urandom(32)
-    channel = wire.Channel(secret)
+    channel = framing.Channel(secret)
     ctx = zmq.Context()
     try:
         pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -368,7 +370,7 @@ def test_a_message_over_the_bound_in_all_is_dropped_frame_by_frame(tmp_path, mon
         push.send_multipart([b"\0" * 64] + [bytes(4 << 20)] * 4)
         header = {Field.KIND: Kind.REPLY, Field.SEQ: 1, Field.RANK: 0}
         channel.send(push.send, header, [b"ok", bytes(4 << 20)])
-        with pytest.raises(wire.ProtocolError, match="a message of 16 MiB, over the bound"):
+        with pytest.raises(framing.ProtocolError, match="a message of 16 MiB, over the bound"):
             channel.recv(pull)
         got, body = channel.recv(pull)
         assert got[Field.SEQ] == 1 and bytes(body[0]) == b"ok" and len(body[1]) == 4 << 20
@@ -388,7 +390,7 @@ class Blob(Step):
 
 def test_a_payload_too_big_for_the_bus_is_refused_by_its_sender(monkeypatch):
     monkeypatch.setenv("REACTOR_DIST_MAX_FRAME", str(1 << 20))  # the ranks'
-    monkeypatch.setattr(wire, "MAX_FRAME", 1 << 20)  # and the runner's
+    monkeypatch.setattr(framing, "MAX_FRAME", 1 << 20)  # and the runner's
     with small_runner() as runner:
         with pytest.raises(TypeError, match="above the bus's bound"):
             runner.generate(b"x" * (2 << 20))
@@ -399,7 +401,7 @@ def test_a_payload_too_big_for_the_bus_is_refused_by_its_sender(monkeypatch):
 
 def test_a_non_contiguous_input_too_big_for_shm_fails_before_any_copy(monkeypatch):
     shm_dir = sticky_dir()
-    monkeypatch.setenv(shm.LIMIT_ENV, str(64 << 20))
+    monkeypatch.setenv(segments.LIMIT_ENV, str(64 << 20))
     try:
         with small_runner(shm_dir=shm_dir) as runner:
             base = np.ones(200 << 20, np.uint8)

@@ -12,8 +12,8 @@ import sys
 
 PINNING = """
 import logging, sys, tempfile, types
-from reactor_dist.host_pinning import HostPinning, cuda_runtime_of
-from reactor_dist.ledger import Ledger
+from reactor_dist.rank.host_pinning import HostPinning, cuda_runtime_of
+from reactor_dist.shm.ledger import Ledger
 
 logging.basicConfig(level=logging.DEBUG, format="LOG %(levelname)s %(message)s",
                     stream=sys.stdout)
@@ -77,10 +77,10 @@ def test_only_a_cuda_rank_with_cuda_initialised_registers_each_segment_once():
 WARM = """
 import os, sys, tempfile
 import numpy as np
-from reactor_dist.host_pinning import HostPinning
-from reactor_dist.ledger import Ledger
-from reactor_dist.shm import PrivateView, Segment
-from reactor_dist.staging import InputStaging
+from reactor_dist.rank.host_pinning import HostPinning
+from reactor_dist.shm.ledger import Ledger
+from reactor_dist.shm.segments import PrivateView, Segment
+from reactor_dist.rank.staging import InputStaging
 
 MiB = 1 << 20
 calls, mapped = [], {}

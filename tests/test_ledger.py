@@ -8,14 +8,15 @@ import os
 
 import pytest
 
-from reactor_dist import SharedMemoryExhausted, shm
-from reactor_dist.ledger import WARM_MOST, WARM_WINDOW, Ledger, Mapped
-from reactor_dist.shm import GRANULE
+from reactor_dist import SharedMemoryExhausted
+from reactor_dist.shm import segments
+from reactor_dist.shm.ledger import WARM_MOST, WARM_WINDOW, Ledger, Mapped
+from reactor_dist.shm.segments import GRANULE
 
 
 @pytest.fixture
 def ledger(tmp_path):
-    book = Ledger(str(tmp_path), shm.new_runner_prefix(), "t", keep_free=1)
+    book = Ledger(str(tmp_path), segments.new_runner_prefix(), "t", keep_free=1)
     yield book
     book.close()
     assert os.listdir(tmp_path) == []  # close() unlinks every segment
@@ -65,7 +66,7 @@ def test_as_many_stay_warm_as_one_recent_call_used(ledger, tmp_path):
 
 
 def test_at_most_warm_most_stay_warm_for_a_big_call(tmp_path):
-    book = Ledger(str(tmp_path), shm.new_runner_prefix(), "t", keep_free=2)
+    book = Ledger(str(tmp_path), segments.new_runner_prefix(), "t", keep_free=2)
     try:
         book.new_call()
         names = [book.acquire(10, "test", holders=["h"]).name for _ in range(WARM_MOST + 4)]
@@ -97,8 +98,8 @@ def test_the_smallest_idle_segment_that_fits_is_taken(ledger):
 
 
 def test_a_full_filesystem_retires_idle_segments_before_it_gives_up(tmp_path, monkeypatch):
-    monkeypatch.setenv(shm.LIMIT_ENV, str(3 * GRANULE))
-    book = Ledger(str(tmp_path), shm.new_runner_prefix(), "t", keep_free=2)
+    monkeypatch.setenv(segments.LIMIT_ENV, str(3 * GRANULE))
+    book = Ledger(str(tmp_path), segments.new_runner_prefix(), "t", keep_free=2)
     try:
         idle = book.acquire(GRANULE, "test", holders=["h"])
         book.release(idle.name, "h")
@@ -118,7 +119,7 @@ def test_find_locates_a_buffer_inside_a_segment(ledger):
 
 def test_mapped_segments_queue_a_release_when_their_arrays_are_collected(ledger, tmp_path):
     seg = ledger.acquire(100, "test", holders=["caller"])
-    mapped = Mapped(lambda name: shm.Segment.open(str(tmp_path), name),
+    mapped = Mapped(lambda name: segments.Segment.open(str(tmp_path), name),
                     lambda name: name.startswith(ledger.prefix + "."))
     try:
         base = mapped.base(seg.name)
@@ -141,14 +142,14 @@ def test_a_full_filesystem_asks_the_other_side_after_its_own_idle_segments(tmp_p
                                                                            monkeypatch):
     """reclaim: called once our idle ones are retired (told with it), and what the
     other side let go meanwhile is used: an idle segment that now fits."""
-    monkeypatch.setenv(shm.LIMIT_ENV, str(3 * GRANULE))
+    monkeypatch.setenv(segments.LIMIT_ENV, str(3 * GRANULE))
     asked: list[tuple[int, list[str]]] = []
 
     def reclaim(nbytes: int) -> None:
         asked.append((nbytes, book.take_retired()))
         book.release(held.name, "peer")  # the peer lets go while we wait
 
-    book = Ledger(str(tmp_path), shm.new_runner_prefix(), "t", keep_free=2, reclaim=reclaim)
+    book = Ledger(str(tmp_path), segments.new_runner_prefix(), "t", keep_free=2, reclaim=reclaim)
     try:
         small = book.acquire(GRANULE, "test", holders=["h"])
         book.release(small.name, "h")
@@ -165,7 +166,7 @@ def test_a_full_filesystem_asks_the_other_side_after_its_own_idle_segments(tmp_p
 
 def test_a_mapping_nobody_views_is_dropped_when_idle(ledger, tmp_path):
     seg = ledger.acquire(100, "test", holders=["caller"])
-    mapped = Mapped(lambda name: shm.Segment.open(str(tmp_path), name),
+    mapped = Mapped(lambda name: segments.Segment.open(str(tmp_path), name),
                     lambda name: name.startswith(ledger.prefix + "."))
     try:
         base = mapped.base(seg.name)

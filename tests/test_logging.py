@@ -8,7 +8,7 @@ import pytest
 from timing_workers import DiesInCall, Talks
 
 from reactor_dist import DistributedRunner, WorkerCrashed
-from reactor_dist.fault_log import one_line
+from reactor_dist.caller.fault_log import one_line
 
 
 def ours(caplog, level=logging.INFO):

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from reactor_dist import DistributedRunner, WorkerCrashed, metrics  # noqa: E402
-from reactor_dist.observers import OUTCOMES  # noqa: E402
+from reactor_dist.caller.observers import OUTCOMES  # noqa: E402
 
 
 def scrape(registry) -> dict[tuple[str, frozenset], float]:

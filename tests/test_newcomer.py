@@ -23,8 +23,8 @@ from reactor_dist import (
     ReactorDistError,
     RemoteTraceback,
     WorkerTimeout,
-    shm,
 )
+from reactor_dist.shm import segments
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,13 +95,14 @@ def test_a_script_without_the_main_guard_gets_one_clear_error(tmp_path):
 
 def test_a_worker_class_in_a_script_read_from_stdin_is_refused_at_construction(tmp_path):
     script = textwrap.dedent("""
-        from reactor_dist import DistributedRunner, DistributedWorker, shm
+        from reactor_dist import DistributedRunner, DistributedWorker
+        from reactor_dist.shm import segments
 
         class Doubler(DistributedWorker):
             def generate(self, x, /):
                 return 2 * x
 
-        print(shm.owner_prefix(), flush=True)
+        print(segments.owner_prefix(), flush=True)
         runner = DistributedRunner(Doubler, world_size=2, device="cpu")
         print("constructed", flush=True)
     """)
@@ -115,7 +116,7 @@ def test_a_worker_class_in_a_script_read_from_stdin_is_refused_at_construction(t
         "TypeError: worker class Doubler is defined in a script read from standard input, "
         "which the rank processes cannot import. Save the script to a file and run that "
         "(python app.py), or put the worker class in a .py module and import it from there.")
-    assert [n for n in os.listdir(shm.DEFAULT_DIR) if n.startswith(prefix + ".")] == []
+    assert [n for n in os.listdir(segments.DEFAULT_DIR) if n.startswith(prefix + ".")] == []
 
 
 def test_after_ctrl_c_a_short_timeout_counts_from_when_the_ranks_start_the_call():

@@ -25,8 +25,8 @@ from bus_workers import CountLoads
 from probe import Probe
 
 from reactor_dist import DistributedRunner, WorkerTimeout
-from reactor_dist.bus import Bus, CommandBlocked, private_dir
-from reactor_dist.protocol import COMMANDS, SEND_BOUND_ENV, Delivery, Field, Kind, Status
+from reactor_dist.caller.bus import Bus, CommandBlocked, private_dir
+from reactor_dist.wire.protocol import COMMANDS, SEND_BOUND_ENV, Delivery, Field, Kind, Status
 
 BIG = 4 << 20  # bigger than a Unix socket's send buffer: one such message fills it
 
@@ -34,8 +34,8 @@ BIG = 4 << 20  # bigger than a Unix socket's send buffer: one such message fills
 # of every CALL in order until SHUTDOWN, and prints them.
 PEER = r"""
 import json, sys, zmq
-from reactor_dist import wire
-from reactor_dist.protocol import Field, Kind
+from reactor_dist.wire import framing
+from reactor_dist.wire.protocol import Field, Kind
 cmd, reply, secret = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3])
 ctx = zmq.Context()
 sub = ctx.socket(zmq.SUB)
@@ -44,7 +44,7 @@ sub.setsockopt(zmq.RCVHWM, 0)
 sub.connect(cmd)
 push = ctx.socket(zmq.PUSH)
 push.connect(reply)
-channel, seqs, ponged = wire.Channel(secret), [], False
+channel, seqs, ponged = framing.Channel(secret), [], False
 while True:
     header, body = channel.recv(sub)
     if header[Field.KIND] == Kind.PING and not ponged:

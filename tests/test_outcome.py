@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from reactor_dist import RankDesync, RankFailure
-from reactor_dist.outcome import RETURNED, Outcome, judge
-from reactor_dist.protocol import Status
+from reactor_dist.caller.outcome import RETURNED, Outcome, judge
+from reactor_dist.wire.protocol import Status
 
 
 def raised(exc: BaseException, failure: RankFailure | None = None) -> Outcome:

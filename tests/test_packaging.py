@@ -11,6 +11,7 @@ The Makefile installs Ray only for the targets that use it (``make -n``, nothing
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -47,8 +48,12 @@ def test_the_wheel_holds_reactor_dist_alone(tmp_path):
     assert "reactor_dist/py.typed" in names and "reactor_dist/__init__.py" in names
     assert "License-Expression: Apache-2.0" in metadata
     assert "reactor-dist = reactor_dist.__main__:main" in scripts
-    assert "reactor-dist-rank = reactor_dist.rank:main" in scripts  # the rank script
-    assert "reactor-dist-worker = reactor_dist.rank:main" in scripts  # deprecated alias
+    assert "reactor-dist-rank = reactor_dist.rank.server:main" in scripts  # the rank script
+    assert "reactor-dist-worker = reactor_dist.rank.server:main" in scripts  # deprecated alias
+    # every folder of the package, each with its modules
+    source = pathlib.Path(REPO, "reactor_dist")
+    expected = {str(p.relative_to(source.parent)) for p in source.rglob("*.py")}
+    assert expected <= set(names), sorted(expected - set(names))
 
 
 def make_dry_run(target: str, venv: str) -> list[str]:

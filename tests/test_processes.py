@@ -192,7 +192,7 @@ def test_a_command_cut_short_by_ctrl_c_cannot_swallow_the_next():
 
 
 def test_a_rank_that_leaves_runs_its_atexit_handlers_and_flushes_its_output(tmp_path):
-    """A rank ends with os._exit (rank.leave), past the interpreter's teardown: its atexit
+    """A rank ends with os._exit (server.leave), past the interpreter's teardown: its atexit
     handlers still run, its unflushed output still reaches the runner, its code is 0."""
     path = tmp_path / "atexit.txt"
     runner = fast_runner(world_size=2, init_process_group=True)

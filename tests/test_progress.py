@@ -7,8 +7,8 @@ import logging
 from timing_workers import LoadsShards
 
 from reactor_dist import DistributedRunner, DistributedWorker
-from reactor_dist.progress import Display
-from reactor_dist.protocol import Field, Kind
+from reactor_dist.wire.progress import Display
+from reactor_dist.wire.protocol import Field, Kind
 
 
 def progress_records(caplog):
@@ -75,7 +75,7 @@ class FakeBar:
 
 
 def test_in_a_terminal_with_tqdm_each_rank_gets_a_bar(monkeypatch, caplog):
-    from reactor_dist import progress
+    from reactor_dist.wire import progress
 
     caplog.set_level(logging.INFO, logger="reactor_dist")
     monkeypatch.setattr(progress, "tqdm_if_terminal", lambda: FakeBar)
@@ -94,7 +94,7 @@ def test_in_a_terminal_with_tqdm_each_rank_gets_a_bar(monkeypatch, caplog):
 
 
 def test_without_a_terminal_there_are_no_bars(monkeypatch):
-    from reactor_dist import progress
+    from reactor_dist.wire import progress
 
     monkeypatch.setattr(progress.sys.stderr, "isatty", lambda: False, raising=False)
     assert progress.tqdm_if_terminal() is None

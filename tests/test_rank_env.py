@@ -1,4 +1,4 @@
-"""Every rank starts with reactor_dist's environment defaults (reactor_dist/rank_env.py)
+"""Every rank starts with reactor_dist's environment defaults (reactor_dist/placement/rank_env.py)
 unless the caller's environment or the runner's ``env=`` sets the variable; and the
 default takes effect: a fresh 97 MB buffer in a rank faults in huge pages (issue 43)."""
 
@@ -9,8 +9,8 @@ from rank_env_workers import NBYTES, VARIABLE, AllocationProbe
 
 from benchmarks.cpu_copy_settings import transparent_huge_pages
 from reactor_dist import DistributedRunner
-from reactor_dist.processes import RANK_START_ENV
-from reactor_dist.rank_env import RANK_ENV_DEFAULTS
+from reactor_dist.placement.local import RANK_START_ENV
+from reactor_dist.placement.rank_env import RANK_ENV_DEFAULTS
 
 SMALL_PAGES = NBYTES // 4096  # first-touch faults of the buffer in 4 KiB pages, at least
 # How a rank is started: forked from a template without torch, from one with torch

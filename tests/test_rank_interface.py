@@ -1,7 +1,7 @@
 """One interface for a rank wherever it runs (issue 30, item 4): a local process
-(processes.RankProcess) and a Ray-hosted rank (placement.HostedRank) are both a
-processes.Rank, the two placements (processes.LocalPlacement, placement.RayGroup) both a
-processes.Placement, and the supervisor asks them without ever asking which one it has.
+(local.RankProcess) and a Ray-hosted rank (ray_group.HostedRank) are both a
+base.Rank, the two placements (local.LocalPlacement, ray_group.RayGroup) both a
+base.Placement, and the supervisor asks them without ever asking which one it has.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from sample_workers import Echo, Sleep
 
 import reactor_dist
 from reactor_dist import DistributedRunner, WorkerCrashed
-from reactor_dist.placement import HostedRank, RayGroup
-from reactor_dist.processes import LocalPlacement, Placement, Rank, RankProcess
+from reactor_dist.placement.base import Placement, Rank
+from reactor_dist.placement.local import LocalPlacement, RankProcess
+from reactor_dist.placement.ray_group import HostedRank, RayGroup
 
 PACKAGE = pathlib.Path(reactor_dist.__file__).parent
 # The names of the placements' own classes and options: a module that names one of them
@@ -60,7 +61,8 @@ def placement_branches(source: str) -> list[str]:
         elif isinstance(node, ast.ImportFrom):
             found.extend(f"{node.lineno}: imports {a.name}" for a in node.names
                          if a.name in PLACEMENT_NAMES)
-            if node.module in ("placement", "host"):
+            if node.module in ("placement.ray_group", "placement.ray_host", "ray_group",
+                               "ray_host"):
                 found.append(f"{node.lineno}: imports from {node.module}")
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
               and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2
@@ -71,10 +73,10 @@ def placement_branches(source: str) -> list[str]:
 
 
 def test_the_supervisor_never_asks_where_a_rank_runs():
-    source = (PACKAGE / "supervisor.py").read_text()
+    source = (PACKAGE / "caller" / "supervisor.py").read_text()
     assert placement_branches(source) == [], (
         "supervisor.py asks which placement it has; ask the placement "
-        "(processes.Placement) or the rank's handle (processes.Rank) instead")
+        "(base.Placement) or the rank's handle (base.Rank) instead")
 
 
 @pytest.mark.parametrize("source, found", [
@@ -82,7 +84,8 @@ def test_the_supervisor_never_asks_where_a_rank_runs():
     ("if self._ray is None:\n    pass", ["1: reads ._ray"]),
     ("if self.placement is not None:\n    pass", ["1: self.placement is not None"]),
     ("ok = isinstance(proc, Rank)", ["1: isinstance(proc, Rank)"]),
-    ("from .placement import RayGroup", ["1: imports RayGroup", "1: imports from placement"]),
+    ("from ..placement.ray_group import RayGroup",
+     ["1: imports RayGroup", "1: imports from placement.ray_group"]),
     ("group = RayGroup(2)", ["1: names RayGroup"]),
     ("ok = isinstance(seconds, float)\nself.placement.start(ranks)", []),
 ])
@@ -91,7 +94,7 @@ def test_a_branch_on_the_placement_is_found(source, found):
 
 
 def test_no_module_reads_a_hosted_flag():
-    readers = [f"{path.name}:{line}" for path in sorted(PACKAGE.glob("*.py"))
+    readers = [f"{path.name}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
                for line in placement_branches(path.read_text()) if "reads .hosted" in line]
     assert readers == []
 

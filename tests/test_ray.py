@@ -50,9 +50,9 @@ from reactor_dist import (
     RemoteTraceback,
     WorkerCrashed,
     WorkerTimeout,
-    shm,
-    wire,
 )
+from reactor_dist.shm import segments
+from reactor_dist.wire import framing
 
 ray = pytest.importorskip("ray", reason="placement tests need the ray extra (make test has it)")
 # Alone, after the tests that run side by side (make test), with test_restart_ray.py and
@@ -193,7 +193,7 @@ def test_ranks_sharing_a_gpu_are_refused_at_start(cluster):
 
 def test_a_rank_that_sees_more_than_its_gpus_is_refused():
     """What RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 leaves a rank: every GPU."""
-    from reactor_dist.ray_view import check_own_gpus
+    from reactor_dist.placement.ray_view import check_own_gpus
 
     check_own_gpus([(0, "n1", ["0"], "0"), (1, "n1", ["1"], "1"), (2, "n2", ["0"], "0")])
     with pytest.raises(PlacementFailed, match=r"rank 1 sees CUDA_VISIBLE_DEVICES=<unset: "
@@ -212,7 +212,7 @@ def test_rank_0_on_another_node_sends_its_results_over_the_bus(cluster):
         data = np.arange(MB16 // 8, dtype=np.int64)
         assert np.array_equal(runner.generate(data), data)
         # Nothing crossed /dev/shm: no segment of this runner's holds a payload.
-        assert [n for n in os.listdir(shm.DEFAULT_DIR)
+        assert [n for n in os.listdir(segments.DEFAULT_DIR)
                 if n.startswith(prefix + ".") and not n.endswith(".lock")] == []
     assert nothing_reserved()
 
@@ -267,7 +267,7 @@ def test_a_broken_lifeline_ends_the_ranks_and_is_a_crash(cluster):
 def test_an_in_band_array_over_the_frame_bound_is_refused_before_sending(cluster, monkeypatch):
     """To a rank on another node an array travels as its own frame: one over the bound
     would be dropped unread (a timeout), so the sender refuses it; nothing is lost."""
-    monkeypatch.setattr(wire, "MAX_FRAME", 8 << 20)  # the runner's; its ranks get it too
+    monkeypatch.setattr(framing, "MAX_FRAME", 8 << 20)  # the runner's; its ranks get it too
     with placed_runner() as runner:
         with pytest.raises(TypeError, match="travels in-band .* above the bus's bound"):
             runner.generate(np.zeros(16 << 20, np.uint8))

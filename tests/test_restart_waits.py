@@ -25,8 +25,8 @@ from probe import Probe
 from restart_workers import FaultAt, Reduces
 
 from reactor_dist import CallQueueFull, DistributedRunner, WorkerCrashed
-from reactor_dist.call_queue import MOVES, State
-from reactor_dist.supervisor import Supervisor
+from reactor_dist.caller.call_queue import MOVES, State
+from reactor_dist.caller.supervisor import Supervisor
 
 RELOAD = 1.5  # seconds the replacement's load() takes
 WAIT = 120.0  # a call behind a restart: two cores import torch in the new rank

@@ -27,8 +27,9 @@ from conftest import wait_gone
 from probe import Probe, marked_by
 from sample_workers import Echo
 
-from reactor_dist import DistributedRunner, shm
-from reactor_dist.protocol import TEMPLATE_NAME
+from reactor_dist import DistributedRunner
+from reactor_dist.shm import segments
+from reactor_dist.wire.protocol import TEMPLATE_NAME
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
@@ -65,7 +66,7 @@ APP = textwrap.dedent("""
 
 
 def our_entries(prefix: str) -> list[str]:
-    return [n for n in os.listdir(shm.DEFAULT_DIR) if n.startswith(prefix + ".")]
+    return [n for n in os.listdir(segments.DEFAULT_DIR) if n.startswith(prefix + ".")]
 
 
 class App:
@@ -111,7 +112,7 @@ class App:
             self.proc.kill()
             self.proc.wait(5)
         for name in our_entries(self.info["prefix"]):
-            shm.unlink_quietly(os.path.join(shm.DEFAULT_DIR, name))
+            segments.unlink_quietly(os.path.join(segments.DEFAULT_DIR, name))
         if self.ipc:
             shutil.rmtree(self.ipc, ignore_errors=True)
 
@@ -207,7 +208,8 @@ def is_rank(p: psutil.Process, app_pid: int) -> bool:
 
 def fake_entry(pid: int, started: str, what: str = "in1") -> str:
     name = f"rdist.{pid}.{started}.{os.urandom(4).hex()}.{what}"
-    fd = os.open(os.path.join(shm.DEFAULT_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    fd = os.open(os.path.join(segments.DEFAULT_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR,
+                 0o600)
     os.close(fd)
     return name
 
@@ -233,7 +235,7 @@ def test_reclaim_dead_owners_removes_only_entries_of_dead_owners(apps):
         init = fake_entry(1, start_tag(1))        # a live process not ours
         foreign = ["rdist.notapid.1.2.in1", "rdist.5", "other-app-segment"]
         for name in foreign:
-            with open(os.path.join(shm.DEFAULT_DIR, name), "w"):
+            with open(os.path.join(segments.DEFAULT_DIR, name), "w"):
                 pass
         made = [dead, reused, alive, init, *foreign]
         with DistributedRunner(Echo, world_size=1, init_process_group=False,
@@ -241,15 +243,15 @@ def test_reclaim_dead_owners_removes_only_entries_of_dead_owners(apps):
             ours = Probe(runner).shm_prefix
             runner.generate(np.ones(1 << 20, np.uint8))
             assert our_entries(ours)
-            shm.reclaim_dead_owners(shm.DEFAULT_DIR)  # and again, with our runner live
+            segments.reclaim_dead_owners(segments.DEFAULT_DIR)  # and again, with our runner live
             assert our_entries(ours), "a live runner's entries were removed"
-        present = set(os.listdir(shm.DEFAULT_DIR))
+        present = set(os.listdir(segments.DEFAULT_DIR))
         assert dead not in present and reused not in present
         assert {alive, init, *foreign} <= present
         assert set(our_entries(live_app.info["prefix"])) == live_before
     finally:
         for name in made:
-            shm.unlink_quietly(os.path.join(shm.DEFAULT_DIR, name))
+            segments.unlink_quietly(os.path.join(segments.DEFAULT_DIR, name))
     live_app.proc.stdin.close()  # the live app ends normally: its runner cleans up
     assert live_app.proc.wait(30) == 0
     assert our_entries(live_app.info["prefix"]) == []
@@ -325,7 +327,7 @@ def test_the_next_start_removes_a_dead_runners_entries_whose_lock_went_first(app
         # the way out of the loop, over 100x that on an idle machine
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    os.unlink(os.path.join(shm.DEFAULT_DIR, f"{prefix}.lock"))
+    os.unlink(os.path.join(segments.DEFAULT_DIR, f"{prefix}.lock"))
     left = our_entries(prefix)
     assert left and f"{prefix}.lock" not in left
     with DistributedRunner(Echo, world_size=1, init_process_group=False,
@@ -350,13 +352,13 @@ def test_an_owner_is_judged_by_its_lock_and_by_its_process_past_death(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
                              stdin=subprocess.PIPE)
     tag = start_tag(child.pid)
-    lock = shm.hold_owner_lock(str(tmp_path), "rdist.1.2.ab")
+    lock = segments.hold_owner_lock(str(tmp_path), "rdist.1.2.ab")
     path = str(tmp_path / "rdist.1.2.ab.lock")
     try:
-        assert shm.lock_state(path) == "held"
-        assert shm.lock_state(str(tmp_path / "none.lock")) == "gone"
-        assert shm.owner_dying(child.pid, tag) is False
-        assert shm.owner_alive(child.pid, tag) is True
+        assert segments.lock_state(path) == "held"
+        assert segments.lock_state(str(tmp_path / "none.lock")) == "gone"
+        assert segments.owner_dying(child.pid, tag) is False
+        assert segments.owner_alive(child.pid, tag) is True
         child.kill()
         deadline = time.monotonic() + 10
         while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:
@@ -364,16 +366,16 @@ def test_an_owner_is_judged_by_its_lock_and_by_its_process_past_death(tmp_path):
             # the way out of the loop, over 100x that on an idle machine
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        assert shm.owner_dying(child.pid, tag) is True
-        assert shm.owner_alive(child.pid, tag) is False
-        assert shm.owner_dying(child.pid, "1") is False  # the pid, not that process
+        assert segments.owner_dying(child.pid, tag) is True
+        assert segments.owner_alive(child.pid, tag) is False
+        assert segments.owner_dying(child.pid, "1") is False  # the pid, not that process
     finally:
         os.close(lock)
         child.wait()
-    assert shm.lock_state(path) == "free"
+    assert segments.lock_state(path) == "free"
     old, fresh = tmp_path / ".lock-0011", tmp_path / ".lock-0022"
     for draft in (old, fresh):
         draft.touch()
     os.utime(old, (time.time() - 120, time.time() - 120))
-    assert shm.reclaim_dead_owners(str(tmp_path)) == 2  # the old draft, the free lock
+    assert segments.reclaim_dead_owners(str(tmp_path)) == 2  # the old draft, the free lock
     assert sorted(os.listdir(tmp_path)) == [".lock-0022"]

@@ -14,7 +14,7 @@ What counts as reaching a private name (``_x``: one leading underscore, not a du
   unknown origin (a parameter, ``with small_runner() as runner``) may not.  ``self._y``
   in a class derived from reactor_dist's (a test worker) may only use what that class
   itself assigns;
-- a string naming it: ``"reactor_dist.runner._x"``; and code kept in a string (a script
+- a string naming it: ``"reactor_dist.caller.runner._x"``; and code kept in a string (a script
   run in a subprocess) is checked by the same rules.
 """
 
@@ -247,19 +247,19 @@ def test_no_test_reaches_a_private_name_of_the_library_but_probe():
 
 
 REACHES = [
-    "from reactor_dist.validation import _warned_auto_cpu",
+    "from reactor_dist.caller.validation import _warned_auto_cpu",
     "from reactor_dist import _private",
     "import reactor_dist._inner",
     "from reactor_dist import wire\nwire._keyed(b'k', [])",
-    "import reactor_dist.wire as w\nw._keyed(b'k', [])",
-    "import reactor_dist\nreactor_dist.validation._warned_auto_cpu = True",
+    "import reactor_dist.wire.framing as w\nw._keyed(b'k', [])",
+    "import reactor_dist\nreactor_dist.caller.validation._warned_auto_cpu = True",
     "from reactor_dist import DistributedRunner\n"
     "with DistributedRunner(object) as runner:\n    runner._supervisor.bus",
     "def test(runner):\n    runner._supervisor",
     "with small_runner() as r:\n    r._queue",
     "from reactor_dist import DistributedRunner\nr = DistributedRunner(object)\nq = r.queue\nq._x",
     "def test(monkeypatch):\n"
-    "    monkeypatch.setattr('reactor_dist.validation._warned_auto_cpu', 0)",
+    "    monkeypatch.setattr('reactor_dist.caller.validation._warned_auto_cpu', 0)",
     "def test(runner):\n    getattr(runner, '_supervisor')",
     "from probe import Probe\ndef test(runner):\n    Probe(runner)._supervisor.bus",
     "def test(monkeypatch, runner):\n    monkeypatch.setattr(runner, '_supervisor', None)",

@@ -31,7 +31,7 @@ from session_workers import (
 )
 
 from reactor_dist import DistributedRunner, WorkerCrashed
-from reactor_dist.protocol import snapshot_tag
+from reactor_dist.wire.protocol import snapshot_tag
 
 XS = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
 

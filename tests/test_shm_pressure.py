@@ -20,7 +20,7 @@ from probe import Probe
 from sample_workers import Echo, FullArray, SlowArray
 
 from reactor_dist import DistributedRunner
-from reactor_dist.ledger import IDLE_RETURN
+from reactor_dist.shm.ledger import IDLE_RETURN
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)

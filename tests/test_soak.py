@@ -14,7 +14,8 @@ import pytest
 from probe import Probe
 from sample_workers import Echo, FullArray, SharedArray
 
-from reactor_dist import DistributedRunner, shm
+from reactor_dist import DistributedRunner
+from reactor_dist.shm import segments
 
 CALLS = 2000
 WARM = 100
@@ -24,10 +25,10 @@ TOLERANCE = 0.10
 
 def shm_usage(prefix: str) -> tuple[int, int]:
     count = size = 0
-    for name in os.listdir(shm.DEFAULT_DIR):
+    for name in os.listdir(segments.DEFAULT_DIR):
         if name.startswith(prefix + "."):
             try:
-                size += os.stat(os.path.join(shm.DEFAULT_DIR, name)).st_blocks * 512
+                size += os.stat(os.path.join(segments.DEFAULT_DIR, name)).st_blocks * 512
                 count += 1
             except FileNotFoundError:
                 pass

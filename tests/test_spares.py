@@ -20,7 +20,7 @@ from test_restart import lines, make_runner
 from test_survivors_kept import reduced
 
 from reactor_dist import DistributedRunner, WorkerCrashed, metrics
-from reactor_dist.processes import RANK_START_ENV
+from reactor_dist.placement.local import RANK_START_ENV
 
 WAIT = 60.0  # for a spare started in the background to load (two cores, torch imports)
 
@@ -190,7 +190,7 @@ def test_a_spare_on_a_ranks_gpu_takes_that_ranks_place_alone():
     """spares.match, the rule that picks the spare for each gone rank: a spare on a GPU
     of its own takes any place; one that shares a rank's GPU takes only that rank's
     (NCCL: one rank per GPU), and a rank takes a spare on its own GPU first."""
-    from reactor_dist.spares import Spare, match
+    from reactor_dist.caller.spares import Spare, match
 
     def spares(*places):
         return [Spare(slot, place, None) for slot, place in enumerate(places, start=10)]

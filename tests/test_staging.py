@@ -17,7 +17,7 @@ from probe import Probe
 from staging_workers import MB, Inputs, Staged, made
 
 from reactor_dist import DistributedRunner
-from reactor_dist.staging import STAGE_CPU_ENV, STAGE_FROM, InputStaging
+from reactor_dist.rank.staging import STAGE_CPU_ENV, STAGE_FROM, InputStaging
 
 HOOK = {STAGE_CPU_ENV: "1"}
 

@@ -14,7 +14,7 @@ from probe import Probe
 from sample_workers import Echo, LateStacks, Say
 
 from reactor_dist import DistributedRunner, WorkerTimeout
-from reactor_dist.output import RankOutput
+from reactor_dist.placement.output import RankOutput
 
 
 def runner(**options) -> DistributedRunner:

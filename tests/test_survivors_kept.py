@@ -1,6 +1,6 @@
 """Every live survivor is kept (issue 31, item 1): at a restart each survivor gets out of
 whatever collective of the failed step it waits in (the old group's connections close
-on all of them at once, reactor_dist.group) and keeps its process and its one load();
+on all of them at once, reactor_dist.rank.group) and keeps its process and its one load();
 only a rank that cannot answer for a reason of its own (a hang in the model's code) is
 replaced.  Shown by pids and load()/rejoin() counts, never by timing."""
 
@@ -156,7 +156,7 @@ def test_threads_a_library_starts_at_import_never_take_the_abort_signal(tmp_path
     survivors instead of ending them (its default action).  One thread shows it
     unblocked: the abort thread, inside sigwait (the kernel unblocks what a thread
     waits for there)."""
-    from reactor_dist.protocol import GROUP_ABORT_SIGNAL
+    from reactor_dist.wire.protocol import GROUP_ABORT_SIGNAL
 
     runner = make_runner(3, ReducesAndRejoins, load_kwargs={"state_dir": str(tmp_path)},
                          env={"OPENBLAS_NUM_THREADS": "4"})

@@ -1,4 +1,4 @@
-"""The rank template (reactor_dist.template): local ranks forked from a process that has
+"""The rank template (reactor_dist.placement.template): local ranks forked from a process that has
 imported what every rank imports (and torch, for the ranks of a group), each one made as
 a spawned rank would be: the runner's child, in a process group of its own, with its own
 environment, working directory, CPUs and random generators; a template that serves
@@ -21,9 +21,10 @@ from conftest import wait_gone
 from probe import Probe, interrupt_a_fork_reply, rank_templates
 from sample_workers import Echo, ProcessFacts
 
-from reactor_dist import DistributedRunner, template
-from reactor_dist.protocol import MARK_ENV, TEMPLATE_NAME
-from reactor_dist.template import Template
+from reactor_dist import DistributedRunner
+from reactor_dist.placement import template
+from reactor_dist.placement.template import Template
+from reactor_dist.wire.protocol import MARK_ENV, TEMPLATE_NAME
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -115,7 +116,7 @@ APP = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from sample_workers import Echo
     from reactor_dist import DistributedRunner
-    from reactor_dist.template import Template
+    from reactor_dist.placement.template import Template
     if __name__ == "__main__":
         runner = DistributedRunner(Echo, world_size=2, device="cpu")
         runner.start()
@@ -153,7 +154,7 @@ FORKED_APP = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from sample_workers import Echo
     from reactor_dist import DistributedRunner
-    from reactor_dist.template import Template
+    from reactor_dist.placement.template import Template
     if __name__ == "__main__":
         with DistributedRunner(Echo, world_size=2, device="cpu") as runner:
             runner.generate(1)
@@ -213,7 +214,7 @@ IDLE_APP = textwrap.dedent("""
     from sample_workers import Echo
     import reactor_dist
     from reactor_dist import DistributedRunner
-    from reactor_dist.template import Template
+    from reactor_dist.placement.template import Template
 
     def run(value, wait=0.0):
         with DistributedRunner(Echo, world_size=2, device="cpu") as runner:
@@ -258,7 +259,7 @@ def test_with_no_idle_time_the_template_ends_with_the_last_runner(tmp_path):
         from sample_workers import Echo
         import reactor_dist
         from reactor_dist import DistributedRunner
-        from reactor_dist.template import Template
+        from reactor_dist.placement.template import Template
         if __name__ == "__main__":
             reactor_dist.set_rank_template_idle(0)
             with DistributedRunner(Echo, world_size=1, device="cpu") as runner:

@@ -15,7 +15,7 @@ from timing_workers import (
     TorchImported,
 )
 
-from reactor_dist.timings import CallTimings, Recorder
+from reactor_dist.caller.timings import CallTimings, Recorder
 
 
 def test_a_slower_rank_shows_in_compute_and_is_the_slowest(runner_for):

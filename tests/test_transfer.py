@@ -20,8 +20,9 @@ from conftest import our_shm_entries, segment_of
 from probe import Probe
 from sample_workers import Echo, FullArray, MetaTensor, SharedArray, WriteInput
 
-from reactor_dist import DistributedRunner, SharedMemoryExhausted, WorkerCrashed, shm
-from reactor_dist.transfer import INLINE_LIMIT, dumps, on_cpu
+from reactor_dist import DistributedRunner, SharedMemoryExhausted, WorkerCrashed
+from reactor_dist.shm import segments
+from reactor_dist.wire.transfer import INLINE_LIMIT, dumps, on_cpu
 
 BIG = 4 * INLINE_LIMIT  # surely out of band, through a segment
 
@@ -183,11 +184,11 @@ def test_a_meta_tensor_input_or_result_is_a_clear_type_error(echo2):
 
 
 def test_large_payloads_never_travel_in_band():
-    from reactor_dist import transfer
-    from reactor_dist.ledger import Ledger
-    from reactor_dist.protocol import Place
+    from reactor_dist.shm.ledger import Ledger
+    from reactor_dist.wire import transfer
+    from reactor_dist.wire.protocol import Place
 
-    ledger = Ledger(shm.DEFAULT_DIR, shm.new_runner_prefix(), "t")
+    ledger = Ledger(segments.DEFAULT_DIR, segments.new_runner_prefix(), "t")
     try:
         value = {"a": np.ones((100, 1000)), "t": torch.ones(50_000),
                  "s": np.ones((1000, 1000))[:, ::2]}
@@ -226,7 +227,7 @@ def entries_and_bytes() -> tuple[int, int]:
     total = 0
     for n in names:
         try:
-            total += os.stat(os.path.join(shm.DEFAULT_DIR, n)).st_blocks * 512
+            total += os.stat(os.path.join(segments.DEFAULT_DIR, n)).st_blocks * 512
         except FileNotFoundError:
             pass
     return len(names), total
@@ -256,7 +257,7 @@ def test_shared_empty_result_costs_no_copy(echo2):
 def test_input_too_big_for_shm_is_refused_before_sending(tmp_path, monkeypatch, log_dir):
     small = tmp_path / "shm"
     small.mkdir()
-    monkeypatch.setenv(shm.LIMIT_ENV, str(64 << 20))
+    monkeypatch.setenv(segments.LIMIT_ENV, str(64 << 20))
     with DistributedRunner(Echo, world_size=2, init_process_group=False, device="cpu",
                            shm_dir=str(small), load_kwargs={"log_dir": log_dir}) as runner:
         with pytest.raises(SharedMemoryExhausted) as info:
@@ -273,7 +274,7 @@ def test_input_too_big_for_shm_is_refused_before_sending(tmp_path, monkeypatch, 
 def test_result_too_big_for_shm_is_rank0s_error_without_desync(tmp_path, monkeypatch):
     small = tmp_path / "shm"
     small.mkdir()
-    monkeypatch.setenv(shm.LIMIT_ENV, str(64 << 20))
+    monkeypatch.setenv(segments.LIMIT_ENV, str(64 << 20))
     with DistributedRunner(Echo, world_size=2, init_process_group=False, device="cpu",
                            shm_dir=str(small)) as runner:
         for step in (FullArray, SharedArray):
@@ -303,7 +304,7 @@ def test_no_leak_after_sigkill_of_a_rank_mid_transfer():
         killer.join()
         runner.shutdown()
     prefix = Probe(runner).shm_prefix + "."
-    assert [n for n in os.listdir(shm.DEFAULT_DIR) if n.startswith(prefix)] == []
+    assert [n for n in os.listdir(segments.DEFAULT_DIR) if n.startswith(prefix)] == []
 
 
 REAL_TMPFS_SCRIPT = textwrap.dedent("""

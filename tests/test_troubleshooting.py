@@ -68,7 +68,8 @@ def missing(page: str, sources: dict[str, str]) -> list[str]:
 
 
 def test_every_message_of_the_library_has_a_row():
-    sources = {f"reactor_dist/{p.name}": p.read_text() for p in PACKAGE.glob("*.py")}
+    sources = {f"reactor_dist/{p.relative_to(PACKAGE)}": p.read_text()
+               for p in PACKAGE.rglob("*.py")}
     absent = missing(PAGE.read_text(), sources)
     assert not absent, ("messages the Troubleshooting page (docs/troubleshooting.md) does not "
                         "list; give each a row:\n" + "\n".join(absent))

@@ -40,8 +40,10 @@ import pytest
 from probe import Probe
 from sample_workers import Echo, FullArray, SharedArray, Sleep
 
-from reactor_dist import DistributedRunner, shm, wire
-from reactor_dist.protocol import Field, Kind, Status
+from reactor_dist import DistributedRunner
+from reactor_dist.shm import segments
+from reactor_dist.wire import framing
+from reactor_dist.wire.protocol import Field, Kind, Status
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
@@ -163,19 +165,19 @@ def test_the_bait_is_armed(tmp_path):
 def test_forged_replayed_and_garbage_messages_are_never_unpickled(tmp_path, monkeypatch):
     evil_path = str(tmp_path / "pwned")
     rejected, dropped = [], []
-    unpack = wire.Channel.unpack
+    unpack = framing.Channel.unpack
 
     def counting_unpack(channel, parts):  # the runner side only: the ranks are other processes
         try:
             header, body = unpack(channel, parts)
-        except wire.ProtocolError as exc:
+        except framing.ProtocolError as exc:
             rejected.append(str(exc))
             raise
         if header[Field.KIND] not in Kind.REPLIES:
             dropped.append(header[Field.KIND])
         return header, body
 
-    monkeypatch.setattr(wire.Channel, "unpack", counting_unpack)
+    monkeypatch.setattr(framing.Channel, "unpack", counting_unpack)
     with DistributedRunner(Echo, world_size=2, init_process_group=False,
                            device="cpu", call_timeout=10) as runner:
         foreigner = Foreigner(tmp_path, Probe(runner).ipc_dir, evil_path)
@@ -229,7 +231,7 @@ def test_secret_never_in_a_command_line_or_environment():
     with DistributedRunner(Echo, world_size=2, init_process_group=False,
                            device="cpu") as runner:
         secret = Probe(runner).secret
-        assert len(secret) == wire.SECRET_SIZE
+        assert len(secret) == framing.SECRET_SIZE
         pids = Probe(runner).rank_pids + [os.getpid()]
         for pid in pids:
             for what in ("cmdline", "environ"):
@@ -247,10 +249,11 @@ def test_shm_entries_are_0600_and_the_ipc_directory_0700():
         group = Probe(runner)
         held = [runner.generate(np.ones(4 << 20, np.uint8)),                     # input+result
                 runner.generate(SharedArray([4 << 20], fill=3))]  # shared_empty
-        entries = [n for n in os.listdir(shm.DEFAULT_DIR) if n.startswith(group.shm_prefix + ".")]
+        entries = [n for n in os.listdir(segments.DEFAULT_DIR)
+                   if n.startswith(group.shm_prefix + ".")]
         assert len(entries) >= 3, entries  # the input, a copied result, a shared_empty one
         for name in entries:
-            mode = stat.S_IMODE(os.stat(os.path.join(shm.DEFAULT_DIR, name)).st_mode)
+            mode = stat.S_IMODE(os.stat(os.path.join(segments.DEFAULT_DIR, name)).st_mode)
             assert mode == 0o600, f"{name} is {mode:o}"
         assert stat.S_IMODE(os.stat(group.ipc_dir).st_mode) == 0o700
         assert os.stat(group.ipc_dir).st_uid == os.getuid()
@@ -258,18 +261,18 @@ def test_shm_entries_are_0600_and_the_ipc_directory_0700():
         del held
 
 
-@pytest.mark.parametrize("stream", [b"stream", b"s" * (wire.EMBED_LIMIT + 1)],
+@pytest.mark.parametrize("stream", [b"stream", b"s" * (framing.EMBED_LIMIT + 1)],
                          ids=["stream_in_header", "stream_in_own_frame"])
 @pytest.mark.parametrize("tamper", ["flip_mac", "flip_header", "flip_body", "drop_body",
                                     "add_frame", "swap_key"])
 def test_an_authentic_message_altered_in_any_way_is_rejected(tamper, stream):
-    secret = os.urandom(wire.SECRET_SIZE)
+    secret = os.urandom(framing.SECRET_SIZE)
     header = {Field.KIND: Kind.REPLY, Field.SEQ: 7, Field.RANK: 0, Field.STATUS: Status.OK,
               Field.DESCRIPTORS: []}
-    parts = wire.Channel(secret).pack(header, [stream, b"buffer"])
-    header, body = wire.Channel(secret).unpack(parts)
+    parts = framing.Channel(secret).pack(header, [stream, b"buffer"])
+    header, body = framing.Channel(secret).unpack(parts)
     assert header[Field.SEQ] == 7 and body == [stream, b"buffer"]
-    assert len(parts) == (2 if len(stream) <= wire.EMBED_LIMIT else 3)
+    assert len(parts) == (2 if len(stream) <= framing.EMBED_LIMIT else 3)
     parts = [bytearray(p) for p in parts]
     if tamper == "flip_mac":
         parts[0][3] ^= 1
@@ -282,24 +285,24 @@ def test_an_authentic_message_altered_in_any_way_is_rejected(tamper, stream):
     elif tamper == "add_frame":
         parts.append(bytearray(b"more"))
     else:
-        secret = os.urandom(wire.SECRET_SIZE)
-    with pytest.raises(wire.ProtocolError, match="MAC"):
-        wire.Channel(secret).unpack([bytes(p) for p in parts])
+        secret = os.urandom(framing.SECRET_SIZE)
+    with pytest.raises(framing.ProtocolError, match="MAC"):
+        framing.Channel(secret).unpack([bytes(p) for p in parts])
 
 
 def test_a_one_frame_message_and_its_split_form_have_different_macs():
     """The MAC of a lone header frame and of length-prefixed frames are personalized
     differently, so no frame split can turn one authentic message into another."""
-    channel = wire.Channel(os.urandom(wire.SECRET_SIZE))
+    channel = framing.Channel(os.urandom(framing.SECRET_SIZE))
     (frame,) = channel.pack({Field.KIND: Kind.REPLY, Field.SEQ: 7, Field.RANK: 0}, [b"tiny"])
-    head = frame[wire.MAC_SIZE:]
+    head = frame[framing.MAC_SIZE:]
     assert channel.mac([head]) != channel.mac([head[:5], head[5:]])
     assert channel.mac([head]) != channel.mac([head, b""])
 
 
 def test_an_embedded_body_that_is_not_bytes_is_rejected():
-    channel = wire.Channel(os.urandom(wire.SECRET_SIZE))
+    channel = framing.Channel(os.urandom(framing.SECRET_SIZE))
     head = msgpack.packb({Field.KIND: Kind.REPLY, Field.SEQ: 7, Field.RANK: 0,
                           Field.EMBEDDED: "text"}, use_bin_type=True)
-    with pytest.raises(wire.ProtocolError, match="embedded body frame is str"):
+    with pytest.raises(framing.ProtocolError, match="embedded body frame is str"):
         channel.unpack([channel.mac([head]) + head])

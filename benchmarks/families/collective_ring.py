@@ -1,4 +1,4 @@
-"""What the collective rings cost (:mod:`reactor_dist.collective_ring`, issue 45): a
+"""What the collective rings cost (:mod:`reactor_dist.shm.collective_ring`, issue 45): a
 2-rank runner with its gloo group whose ``generate`` makes two ``all_reduce`` calls of
 one float, with each rank recording them in its ring or not (the ring set aside for
 the call), timed in alternating blocks in the same run.  Target: ≤ 2 % of that call."""
@@ -28,7 +28,7 @@ class TwoAllReduces(DistributedWorker):
     def generate(self, recorded: bool, /) -> None:
         import torch.distributed as dist
 
-        from reactor_dist import collective_wait
+        from reactor_dist.rank import collective_wait
 
         waits = collective_wait._installed  # the rank's own, installed with its group
         assert waits is not None

@@ -3,7 +3,7 @@
 :mod:`benchmarks.cpu_copy_settings` (each in a fresh process, alternating blocks), next
 to its floor, the same copy into a buffer reused from call to call.  Then the same
 allocation timed inside a rank (world_size 1): the ranks' default environment
-(``THP_MEM_ALLOC_ENABLE=1``, reactor_dist/rank_env.py) against a runner whose
+(``THP_MEM_ALLOC_ENABLE=1``, reactor_dist/placement/rank_env.py) against a runner whose
 ``env=`` turns it off, in alternating blocks.  Target: the default ≤ ``GOAL`` × no
 setting, with its resident memory not growing from the first block to the last.
 """

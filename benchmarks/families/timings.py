@@ -6,7 +6,7 @@ order flipping every round). The ranks always time their compute (two
 bookkeeping costs ≤ 5 µs a call. ``python -m benchmarks.timing_cost`` measures the
 same, and the caller's part alone in process.
 
-And the collective-wait measurement (:mod:`reactor_dist.collective_wait`): a 2-rank
+And the collective-wait measurement (:mod:`reactor_dist.rank.collective_wait`): a 2-rank
 runner with its gloo group whose ``generate`` does one ``all_reduce`` of one float
 through the timed wrapper or through the function it wraps, in alternating blocks.
 Target: ≤ 2 µs a collective.

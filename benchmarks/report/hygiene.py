@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from reactor_dist.template import Template
+from reactor_dist.placement.template import Template
 
 SHM = "/dev/shm"
 
@@ -71,7 +71,7 @@ def _mine(new: list[str]) -> list[str]:
 
 def leftover_children() -> list[psutil.Process]:
     """Live descendants of this process, minus multiprocessing's resource tracker and
-    the rank templates (reactor_dist.template): both live until the interpreter exits,
+    the rank templates (reactor_dist.placement.template): both live until the interpreter exits,
     by design."""
     out = []
     templates = Template.pids()

@@ -1,0 +1,252 @@
+"""Sessions that survive a fault: snapshots of every rank, the calls since, the replay.
+
+With ``DistributedRunner(snapshot_every=K)`` the caller keeps, for one session::
+
+    start()   load() ... SNAPSHOT (every rank: snapshot() -> its state, in segments of
+                         its snapshot pool that the caller holds from then on)
+    calls     CALL 1 .. CALL K, each in the journal (its input's segments held, rank 0's
+              digest)
+              SNAPSHOT after the K-th call sent (and after every reset()): once every
+              rank returned it, the calls before it and the older snapshot go (their
+              segments back to the ranks' pools; a dead rank's are unlinked here)
+    a fault   restart (recovery.py: kept ranks, spares, new processes), then
+              RESTORE (every rank: restore(its state), read into its own memory)
+              CALL 1' .. (the journal's calls again, in order, their results discarded;
+              rank 0's digest compared with the first run's: a difference is a WARNING)
+              then healthy, at the state after the last call that was answered
+
+A snapshot lies where no rank's death can take it: the segments stay in /dev/shm
+(a rank's own pool, which only its graceful shutdown unlinks) and the caller holds
+their names; when a rank's process is replaced, the caller unlinks the rest of that
+process's pool and, later, the snapshot's own segments of it.  What the window holds
+at most: K calls sent since the last snapshot, plus the calls sent while that snapshot
+was in flight (at most ``max_in_flight``), each with its input.
+
+With ``retry_failed`` the call queue sends the calls that failed in the fault again
+after the replay (:mod:`reactor_dist.caller.call_queue`); everything here runs under the
+queue's lock, or in the restart while nobody else uses the bus.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from .. import timeouts
+from ..shm import segments
+from ..wire.protocol import Field, Kind, Method, Status, segments_of, snapshot_tag
+from .calls import SESSION, Call, CallPath, Command
+from .outcome import judge
+
+log = logging.getLogger("reactor_dist")
+WAIT = 0.1  # seconds: the longest one receive of the replay lasts
+
+
+class Entry(NamedTuple):
+    """A call of the journal (answered since the last snapshot): enough to run it again
+    and to tell whether the re-run gave what it gave."""
+
+    seq: int
+    what: str
+    command: Command
+    digest: bytes | None  # rank 0's (None: it did not return)
+
+
+class Snapshot(NamedTuple):
+    """Every rank's state after every call before ``seq`` (the SNAPSHOT call's)."""
+
+    seq: int
+    states: list[tuple[list | None, list]]  # per rank: descriptors, payload frames
+    names: list[set[str]]  # per rank: the segments it lies in
+
+
+class Session:
+    """The last snapshot of every rank, the calls since it, and what a replay found."""
+
+    def __init__(self, every: int, world_size: int, shm_dir: str, shm_prefix: str) -> None:
+        self.every, self.world_size = every, world_size
+        self.shm_dir, self.shm_prefix = shm_dir, shm_prefix
+        self.snapshot: Snapshot | None = None
+        self.journal: deque[Entry] = deque()
+        self.sent_since = 0  # calls sent since the last SNAPSHOT was sent
+        self.orphans: set[str] = set()  # the snapshot's segments of a process gone
+        self.snapshots = 0  # complete snapshots taken
+        self.replayed = 0  # calls run again by restarts
+        self.differences = 0  # of those, how many gave rank 0 another result
+        self.failure = ""  # why the last snapshot failed, if it did
+        self.answered_due = 0  # the replay's Kind.ANSWERED not yet sent (a full pipe)
+
+    # -- while healthy (under the queue's lock) ----------------------------------------
+    def due(self, call: Call) -> bool:
+        """``call`` was sent: whether a SNAPSHOT goes right behind it."""
+        if call.method == Method.RESET:
+            return True
+        self.sent_since += 1
+        return self.sent_since >= self.every
+
+    def send_snapshot(self, path: CallPath, timeout: float | None, behind: bool) -> Call:
+        """Publish a SNAPSHOT: every rank's state after every call sent before it."""
+        seq = path.send_numbered({Field.KIND: Kind.CALL, Field.METHOD: Method.SNAPSHOT}, [b""],
+                           timeout, behind, Method.SNAPSHOT)
+        self.sent_since = 0
+        call = Call(seq, Method.SNAPSHOT, timeout)
+        call.watchers = 0  # no caller watches it: the collector receives for it
+        return call
+
+    def record(self, call: Call, path: CallPath) -> None:
+        """Every rank answered ``call`` (one that did not break the runner): a SNAPSHOT
+        replaces the last one; any other call goes into the journal until the next snapshot."""
+        if call.method == Method.SNAPSHOT:
+            self.took(call, path)
+        elif call.command is not None:
+            header = call.replies[0][0]
+            digest = header.get(Field.DIGEST) if header.get(Field.STATUS) == Status.OK \
+                else None
+            self.journal.append(Entry(call.seq, call.what, call.command, digest))
+            call.command = None  # its segments are the window's now
+
+    def took(self, call: Call, path: CallPath) -> None:
+        replies = [call.replies[rank] for rank in range(self.world_size)]
+        failed = [rank for rank, (header, _) in enumerate(replies)
+                  if header.get(Field.STATUS) != Status.OK]
+        if failed:
+            for header, _ in replies:
+                path.discard(header)  # the ranks that returned: their segments back
+            record = replies[failed[0]][0].get(Field.ERROR) or ("?", "?", "")
+            self.failure = f"rank {failed[0]} raised {record[0]}: {record[1]}"
+            log.warning("snapshot() raised on rank %s (%s: %s): the session goes on from "
+                        "the snapshot before it (call %d), and a restart runs the calls "
+                        "since it again",
+                        ", ".join(map(str, failed)), record[0], record[1],
+                        self.snapshot.seq if self.snapshot else 0)
+            return
+        old, self.snapshot = self.snapshot, Snapshot(
+            call.seq, [(header.get(Field.DESCRIPTORS), body) for header, body in replies],
+            [segments_of(header.get(Field.DESCRIPTORS)) for header, _ in replies])
+        self.snapshots += 1
+        if old is not None:
+            self.let_go(old, path)
+        while self.journal and self.journal[0].seq < call.seq:
+            self.release(self.journal.popleft().command, path)
+
+    def let_go(self, old: Snapshot, path: CallPath) -> None:
+        """An older snapshot's segments: back to their rank's pool, or unlinked where
+        the process that made them is gone."""
+        for names in old.names:
+            orphans = names & self.orphans
+            for name in orphans:
+                segments.unlink_quietly(os.path.join(self.shm_dir, name))
+            self.orphans -= orphans
+            path.results.release(names - orphans)  # RELEASED: to the rank that owns them
+
+    def release(self, command: Command, path: CallPath) -> None:
+        """A call is no longer needed: its input segments go back to the pool."""
+        for name in command.segments:
+            path.inputs.release(name, SESSION)
+
+    # -- a restart ----------------------------------------------------------------------
+    def renewed(self, ranks: list[int]) -> None:
+        """These ranks have a new process: the old one's snapshot pool is unlinked, but
+        for the snapshot's own segments, unlinked here once a newer one is complete."""
+        keep = self.snapshot.names if self.snapshot is not None else [set()] * self.world_size
+        for rank in ranks:
+            segments.remove_starting(self.shm_dir, f"{self.shm_prefix}.{snapshot_tag(rank)}",
+                                keep[rank])
+            self.orphans |= keep[rank]
+
+    def replay(self, path: CallPath, deadline: float,
+               other: Callable[[dict[str, Any]], None]) -> float:
+        """Every rank restores the snapshot, then the journal's calls run again in order (their
+        results discarded): raises what broke it (a failed restart).  Its seconds."""
+        began = time.monotonic()
+        assert self.snapshot is not None
+        states, body = [], []
+        for descriptors, frames in self.snapshot.states:
+            states.append([len(body), len(frames), descriptors])
+            body.extend(frames)
+        calls = [Call(path.send_numbered({Field.KIND: Kind.CALL, Field.METHOD: Method.RESTORE,
+                                    Field.STATES: states}, body, None, False, Method.RESTORE),
+                      Method.RESTORE, None)]
+        for entry in self.journal:
+            seq = path.send_again(entry.command, behind=True)
+            calls.append(Call(seq, entry.command.method, entry.command.timeout))
+        for call in calls:
+            call.left = True  # rank 0's results go back unread
+        by_seq = {call.seq: (call, entry) for call, entry in
+                  zip(calls, [None, *self.journal], strict=True)}
+        head = 0
+        clock = time.monotonic()  # when the head call started
+        self.answered_due = 0  # a Kind.ANSWERED a full pipe refused: tried again each turn
+        while head < len(calls):
+            if self.answered_due and path.bus.publish(
+                    {Field.KIND: Kind.ANSWERED, Field.SEQ: self.answered_due}):
+                self.answered_due = 0
+            call = calls[head]
+            limit = deadline if call.timeout is None else min(deadline, clock + call.timeout)
+            now = time.monotonic()
+            if now >= limit:
+                silent = [r for r in range(self.world_size) if r not in call.replies]
+                raise path.supervisor.timed_out(silent, call.timeout,
+                                                f"the replay of {call.what}", call.replies)
+            message = path.receive(timeouts.wait_ms(min(limit - now, WAIT)))
+            if message is None:
+                continue
+            header = message[0]
+            kind = header[Field.KIND]
+            if kind == Kind.DEATH:
+                supervisor = path.supervisor
+                if header.get(Field.EPOCH, 0) == supervisor.epoch:
+                    raise supervisor.crashed(supervisor.dead() or [header[Field.RANK]],
+                                             f"the replay of {call.what}")
+                continue
+            if kind not in (Kind.REPLY, Kind.ITEM) or header[Field.SEQ] not in by_seq:
+                other(header)
+                continue
+            if kind == Kind.ITEM:
+                path.discard(header)
+                continue
+            by_seq[header[Field.SEQ]][0].replies.setdefault(header[Field.RANK], message)
+            while head < len(calls) and len(calls[head].replies) == self.world_size:
+                self.judge_replay(calls[head], by_seq[calls[head].seq][1], path)
+                head, clock = head + 1, time.monotonic()
+        self.replayed += len(calls) - 1
+        return time.monotonic() - began
+
+    def judge_replay(self, call: Call, entry: Entry | None, path: CallPath) -> None:
+        """One call of the replay is answered: a rank that raised where it must not
+        fails the restart; rank 0's digest is compared with the first run's."""
+        replies = call.replies
+        digest = replies[0][0].get(Field.DIGEST)
+        verdict = judge(call.method, path.outcomes(call))
+        if any(h.get(Field.STATUS) == Status.RAISED for h, _ in replies.values()):
+            # The ranks that raised hold the next call until told (never dropped: a full
+            # pipe keeps it due, and the replay's loop sends it again).
+            self.answered_due = call.seq
+            if path.bus.publish({Field.KIND: Kind.ANSWERED, Field.SEQ: call.seq}):
+                self.answered_due = 0
+        if verdict.breaks or (entry is None and verdict.error is not None):
+            error = verdict.error
+            assert error is not None
+            what = "restore()" if entry is None else f"the replay of {entry.what}"
+            error.args = (f"{error} (in {what} after the restart)",) if error.args else ()
+            raise error
+        if entry is not None and digest != entry.digest:
+            self.differences += 1
+            log.warning("the replay of %s after the restart gave rank 0 another result than "
+                        "the first run: the model is not deterministic (the session goes on "
+                        "from the re-run state; seed its noise and keep the RNG state in "
+                        "snapshot())", entry.what, extra={"call": entry.seq})
+
+    # -- the end --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Shutdown: the ranks' own pools go with them; a dead process's snapshot
+        segments go here (Supervisor.close removes the runner's prefix anyway)."""
+        for name in self.orphans:
+            segments.unlink_quietly(os.path.join(self.shm_dir, name))
+        self.orphans.clear()
+        self.snapshot = None
+        self.journal.clear()
