@@ -71,7 +71,7 @@ import zmq
 
 from .. import timeouts
 from ..errors import CallQueueFull, WorkerCrashed, WorkerTimeout, failed_behind, queue_full
-from ..wire.protocol import Field, Kind, Method, Status
+from ..wire.protocol import Field, Kind, Method
 from .calls import Call, CallPath, collective_wait_seconds, compute_seconds
 from .fault_log import one_line
 from .observers import CANCELLED, CRASHED, DESYNC, OK, RAISED, TIMED_OUT, Observer, tell
@@ -189,7 +189,6 @@ class CallQueue:
         self.turns: collections.deque[object] = collections.deque()  # callers waiting to send
         self.settled: collections.deque[Call] = collections.deque()  # futures to settle
         self.leaving: collections.deque[Call] = collections.deque()  # leave_soon()'s
-        self.answered_due = 0  # a Kind.ANSWERED not yet sent (a rank's pipe was full)
         self.observers: tuple[Observer, ...] = ()  # metrics, traces (observers.py)
         self.receiving = False  # a caller owns the reply socket now
         self.dying = False  # a death's notice waits for the dead ranks' last replies
@@ -626,16 +625,16 @@ class CallQueue:
         a passed deadline with nothing left to read breaks the runner."""
         if self.leaving:
             self.take_leaving()
-        if self.answered_due:
-            self.tell_answered()
+        path = self.path
+        assert path is not None
+        if path.answered_due:
+            path.tell_answered()
         due = self.next_deadline()
         if due is not None and now >= due:
             if not self.drain():
                 self.expire()
             return
         until = due if give_up is None else give_up if due is None else min(due, give_up)
-        path = self.path
-        assert path is not None
         wait_ms = WAKE_MS if until is None or until - now >= WAKE else \
             timeouts.wait_ms(until - now)
         self.receiving = True
@@ -665,8 +664,8 @@ class CallQueue:
         assert path is not None and not self.receiving
         if self.leaving:
             self.take_leaving()
-        if self.answered_due:  # tasks receive only here: the retry must not wait for a thread
-            self.tell_answered()
+        if path.answered_due:  # tasks receive only here: the retry must not wait for a thread
+            path.tell_answered()
         path.memory.flush()
         got = False
         bus = path.bus
@@ -750,10 +749,10 @@ class CallQueue:
                 in_flight = self.in_flight
                 while in_flight and len(in_flight[0].replies) == self.world_size:
                     self.answered(in_flight.popleft())
-        elif kind == Kind.DEATH and header.get(Field.EPOCH, 0) == self.supervisor.epoch:
-            if self.dying:
-                return  # the first notice judges every rank dead by then
-            dead = self.supervisor.dead() or [header[Field.RANK]]
+        elif kind == Kind.DEATH:
+            dead = self.supervisor.dead_of(header)
+            if dead is None or self.dying:  # stale, or the first notice judges them all
+                return
             self.dying = True
             try:
                 begun = self.last_replies(dead)
@@ -813,10 +812,7 @@ class CallQueue:
                 head.deadline = time.monotonic() + head.timeout
         assert self.path is not None
         if call.method == Method.SNAPSHOT:  # the caller's own: no verdict, no observer
-            if any(header.get(Field.STATUS) == Status.RAISED
-                   for header, _ in call.replies.values()):
-                self.answered_due = call.seq  # the ranks that raised hold the next call
-                self.tell_answered()
+            self.path.owe_answered(call)
             assert self.session is not None
             self.session.record(call, self.path)
             call.settle(None, None)
@@ -838,22 +834,12 @@ class CallQueue:
             self.in_flight.appendleft(call)  # fails first, with the error itself
             self.broken(verdict.error, call)  # type: ignore[arg-type]
         else:
-            if any(header.get(Field.STATUS) == Status.RAISED
-                   for header, _ in call.replies.values()):
-                self.answered_due = call.seq  # the ranks that raised hold the next call
-                self.tell_answered()
+            self.path.owe_answered(call)
             if self.session is not None:
                 self.session.record(call, self.path)
             self._settle(call, verdict.value, verdict.error,
                          OK if verdict.error is None else RAISED)
         self.changed_all()
-
-    def tell_answered(self) -> None:
-        """Under the lock: Kind.ANSWERED for ``answered_due``; a full pipe keeps it due,
-        tried again at the next receive (a rank that is behind reads it in turn)."""
-        assert self.path is not None
-        if self.path.bus.publish({Field.KIND: Kind.ANSWERED, Field.SEQ: self.answered_due}):
-            self.answered_due = 0
 
     def _settle(self, call: Call, value: Any, error: BaseException | None,
                 outcome: str) -> None:

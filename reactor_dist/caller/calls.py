@@ -192,6 +192,9 @@ class CallPath:
         self.inline_limit = supervisor.inline_limit
         self.busy = busy  # the ranks still running an earlier call
         self.seq = 0
+        # A Kind.ANSWERED a full pipe refused (the call queue's and the replay's alike):
+        # the ranks that raised in that call hold the next one until it arrives.
+        self.answered_due = 0
         self.last_sent = 0.0  # perf_counter when the last call was sent (releaser.py)
         self.memory = MemoryReturn(self.bus, self.inputs, self.results, self.world_size,
                                    lambda: self.seq, wait_for)
@@ -328,6 +331,21 @@ class CallPath:
             self.discard(header)
         else:
             call.items.append(self.decode_item(header, body))
+
+    def owe_answered(self, call: Call) -> None:
+        """Every rank answered ``call``: if any raised, they hold the next call until
+        told (Kind.ANSWERED), now or, if a pipe is full, at the next receive."""
+        if any(header.get(Field.STATUS) == Status.RAISED
+               for header, _ in call.replies.values()):
+            self.answered_due = call.seq
+            self.tell_answered()
+
+    def tell_answered(self) -> None:
+        """The ANSWERED still owed, if any (a full pipe keeps it owed: a rank that is
+        behind reads it in turn)."""
+        if self.answered_due and self.bus.publish({Field.KIND: Kind.ANSWERED,
+                                                   Field.SEQ: self.answered_due}):
+            self.answered_due = 0
 
     def discard(self, header: dict[str, Any]) -> None:
         """A message nobody will read (a left call's, a failed call's): its result

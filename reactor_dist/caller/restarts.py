@@ -133,8 +133,6 @@ class Restarts:
                 path.ranks = supervisor.ranks
                 session.renewed(done.replaced + done.taken)
                 kept, seconds = len(session.journal), session.replay(path, deadline, other)
-                if session.answered_due:  # still refused: the queue sends it at its next turn
-                    queue.answered_due = session.answered_due
                 done = done._replace(seconds=done.seconds + seconds)
                 replayed = (f"; every rank restored the snapshot and ran the {kept} call"
                             f"{'s' * (kept != 1)} since it again")

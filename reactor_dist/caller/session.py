@@ -78,7 +78,6 @@ class Session:
         self.replayed = 0  # calls run again by restarts
         self.differences = 0  # of those, how many gave rank 0 another result
         self.failure = ""  # why the last snapshot failed, if it did
-        self.answered_due = 0  # the replay's Kind.ANSWERED not yet sent (a full pipe)
 
     # -- while healthy (under the queue's lock) ----------------------------------------
     def due(self, call: Call) -> bool:
@@ -180,11 +179,9 @@ class Session:
                   zip(calls, [None, *self.journal], strict=True)}
         head = 0
         clock = time.monotonic()  # when the head call started
-        self.answered_due = 0  # a Kind.ANSWERED a full pipe refused: tried again each turn
         while head < len(calls):
-            if self.answered_due and path.bus.publish(
-                    {Field.KIND: Kind.ANSWERED, Field.SEQ: self.answered_due}):
-                self.answered_due = 0
+            if path.answered_due:  # a full pipe refused it: tried again each turn
+                path.tell_answered()
             call = calls[head]
             limit = deadline if call.timeout is None else min(deadline, clock + call.timeout)
             now = time.monotonic()
@@ -198,10 +195,9 @@ class Session:
             header = message[0]
             kind = header[Field.KIND]
             if kind == Kind.DEATH:
-                supervisor = path.supervisor
-                if header.get(Field.EPOCH, 0) == supervisor.epoch:
-                    raise supervisor.crashed(supervisor.dead() or [header[Field.RANK]],
-                                             f"the replay of {call.what}")
+                dead = path.supervisor.dead_of(header)
+                if dead is not None:
+                    raise path.supervisor.crashed(dead, f"the replay of {call.what}")
                 continue
             if kind not in (Kind.REPLY, Kind.ITEM) or header[Field.SEQ] not in by_seq:
                 other(header)
@@ -222,12 +218,7 @@ class Session:
         replies = call.replies
         digest = replies[0][0].get(Field.DIGEST)
         verdict = judge(call.method, path.outcomes(call))
-        if any(h.get(Field.STATUS) == Status.RAISED for h, _ in replies.values()):
-            # The ranks that raised hold the next call until told (never dropped: a full
-            # pipe keeps it due, and the replay's loop sends it again).
-            self.answered_due = call.seq
-            if path.bus.publish({Field.KIND: Kind.ANSWERED, Field.SEQ: call.seq}):
-                self.answered_due = 0
+        path.owe_answered(call)  # kept owed by a full pipe: the replay's loop tries again
         if verdict.breaks or (entry is None and verdict.error is not None):
             error = verdict.error
             assert error is not None

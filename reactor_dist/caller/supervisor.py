@@ -258,13 +258,14 @@ class Supervisor:
             kind, rank = header[Field.KIND], header[Field.RANK]
             ask = asked.get(rank)
             if kind == Kind.DEATH:
-                if header.get(Field.EPOCH, 0) != self.epoch:
+                dead = self.dead_of(header)
+                if dead is None:
                     continue  # a replaced rank's
                 if not partial:
-                    raise self.crashed(self.ranks.dead() or [rank], what)
+                    raise self.crashed(dead, what)
                 # partial (restart()'s grace PING): the dead simply do not answer, and a
                 # notice of a death before the restart (not yet read) is no failure of it
-                for gone in self.ranks.dead() or [rank]:
+                for gone in dead:
                     if gone not in replies:
                         asked.pop(gone, None)
                 continue
@@ -472,6 +473,14 @@ class Supervisor:
         if report is not None:
             error.failures = tuple(dataclasses.replace(f, collective=report.lines.get(f.rank))
                                    for f in error.failures)
+
+    def dead_of(self, notice: dict[str, Any]) -> list[int] | None:
+        """A death notice (Kind.DEATH), read the one way every wait reads it: the ranks
+        dead now (the notice's own rank where the watch names none yet); None for a
+        notice of a generation a restart replaced (stale: dropped)."""
+        if notice.get(Field.EPOCH, 0) != self.epoch:
+            return None
+        return self.dead() or [notice[Field.RANK]]
 
     def dead(self) -> list[int]:
         """The ranks that have died (no system call while none has)."""
