@@ -65,7 +65,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from time import perf_counter
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -169,10 +169,34 @@ def say_restarting(error: BaseException, note: str, then: str = NOT_REPLAYED) ->
     if note not in message:
         error.args = (f"{message.removesuffix(UNUSABLE_ENDING)}; {note}; {then}",)
 
-class CallQueue:
-    """Calls in send order, at most ``max_in_flight`` of them sent and not answered."""
+class RestartPolicy(Protocol):
+    """What the call queue asks of the restart budget (restarts.Restarts)."""
 
-    def __init__(self, supervisor: Supervisor, max_in_flight: int, timings: Recorder) -> None:
+    def after_failure(self, exc: BaseException) -> str | None:
+        """As the runner breaks: None, or the note of the restart it begins."""
+
+    def budget_note(self) -> str:
+        """The failures that used the budget, for an unusable runner's error."""
+
+
+class NoRestarts:
+    """max_restarts=0: a failure leaves the runner unusable."""
+
+    def after_failure(self, exc: BaseException) -> str | None:
+        return None
+
+    def budget_note(self) -> str:
+        return ""
+
+
+class CallQueue:
+    """Calls in send order, at most ``max_in_flight`` of them sent and not answered.
+    ``session`` (snapshot_every=) and ``retry_failed`` are given when it is made, and so
+    is its restart budget: ``restarts(queue)`` makes it (the restarts drive this queue)."""
+
+    def __init__(self, supervisor: Supervisor, max_in_flight: int, timings: Recorder, *,
+                 session: Session | None = None, retry_failed: bool = False,
+                 restarts: Callable[[CallQueue], RestartPolicy] | None = None) -> None:
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)  # something arrived, a turn moved
         self.wanted = threading.Condition(self.lock)  # a call has nobody waiting for it
@@ -181,9 +205,6 @@ class CallQueue:
         self.path: CallPath | None = None
         self.state = NEW
         self.failure: BaseException | None = None  # why it is not healthy
-        # The restart budget (restarts.py): asked as the runner breaks; set once built.
-        self.restart_policy: Callable[[BaseException], str | None] = lambda exc: None
-        self.budget_note: Callable[[], str] = lambda: ""
         self.in_flight: collections.deque[Call] = collections.deque()
         self.by_seq: dict[int, Call] = {}
         self.turns: collections.deque[object] = collections.deque()  # callers waiting to send
@@ -200,10 +221,29 @@ class CallQueue:
         # Sessions (reactor_dist.caller.session, snapshot_every=): snapshots and the calls kept;
         # with retry_failed, the calls a fault failed wait here, with their errors, to be
         # sent again once the automatic restart is done.
-        self.session: Session | None = None
-        self.retry_failed = False
+        self.session, self.retry_failed = session, retry_failed
         self.retrying: list[tuple[Call, BaseException]] = []
         self.retried = 0  # calls sent again after a restart, so far
+        # The restart budget (restarts.py): asked as the runner breaks.
+        self.restarts = restarts(self) if restarts is not None else NoRestarts()
+
+    # -- observers -------------------------------------------------------------------------
+    def attach(self, observer: Observer) -> None:
+        """``observer`` hears of every call from now on (metrics, traces)."""
+        with self.lock:
+            if observer not in self.observers:
+                self.observers = (*self.observers, observer)
+
+    def detach(self, observer: Observer) -> None:
+        with self.lock:
+            self.observers = tuple(o for o in self.observers if o is not observer)
+
+    def tell_observers(self, hook: str, *args: Any) -> None:
+        """Outside the lock: every observer's ``hook`` (one that raises is dropped)."""
+        if self.observers:
+            observers = tell(self.observers, hook, *args)
+            with self.lock:
+                self.observers = observers
 
     # -- states ----------------------------------------------------------------------------
     def move(self, to: State, failure: BaseException | None = _KEEP) -> None:
@@ -245,9 +285,9 @@ class CallQueue:
         then = "It was shut down; build and start a new one" if state is CLOSED else \
             "runner.restart() brings its ranks back (DistributedRunner(max_restarts=N) " \
             "restarts it by itself)"
+        said = str(failure).removesuffix(UNUSABLE_ENDING)
         raise RuntimeError(f"this DistributedRunner is unusable: {type(failure).__name__}: "
-                           f"{str(failure).removesuffix(UNUSABLE_ENDING)}{self.budget_note()}. "
-                           f"{then}") from failure
+                           f"{said}{self.restarts.budget_note()}. {then}") from failure
 
     def broken(self, exc: BaseException, at: Call | None = None,
                raised: bool = False) -> None:
@@ -260,7 +300,7 @@ class CallQueue:
             return
         self.supervisor.take_output()  # the failed calls' log records before their errors
         said = one_line(exc)  # before the restart's note goes into its message
-        note = self.restart_policy(exc)
+        note = self.restarts.after_failure(exc)
         self.move(UNUSABLE if note is None else RESTARTING, exc)
         at = at or (self.in_flight[0] if self.in_flight else None)
         if isinstance(exc, WorkerCrashed) and self.observers:

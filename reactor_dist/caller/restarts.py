@@ -68,7 +68,6 @@ class Restarts:
         self.exhausted: list[BaseException] = []  # the budget's failures, once used up
         self.thread: threading.Thread | None = None
         self.last: recovery.Restarted | None = None
-        queue.restart_policy, queue.budget_note = self.after_failure, self.budget_note
 
     def after_failure(self, exc: BaseException) -> str | None:
         """Under the queue's lock, as the runner breaks with ``exc``: None, or it restarts
@@ -92,7 +91,7 @@ class Restarts:
 
     def stop(self) -> None:
         """Shutdown: a restart in progress gives up (within a beat) before anything ends."""
-        self.queue.supervisor.closing = True
+        self.queue.supervisor.begin_closing()
         thread = self.thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=10)

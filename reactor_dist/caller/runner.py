@@ -39,7 +39,7 @@ from ..worker import check_not_rerunning_main
 from . import aio, blocking, validation
 from .call_queue import CLOSED, HEALTHY, NEW, CallQueue
 from .calls import Arguments
-from .observers import Observer, tell
+from .observers import Observer
 from .restarts import Restarts
 from .session import Session
 from .stream import Stream
@@ -188,15 +188,18 @@ class DistributedRunner:
             shutdown_grace=check_grace(shutdown_grace), spares=spares,
             pinned_limit=pinned_limit)
         self._timings = Recorder(world_size)
-        self._queue = CallQueue(self._supervisor, max_in_flight, self._timings)
-        if snapshot_every:
-            self._queue.session = Session(snapshot_every, world_size, shm_dir,
-                                          self._supervisor.shm_prefix)
-            self._queue.retry_failed = retry_failed
+        session = Session(snapshot_every, world_size, shm_dir, self._supervisor.shm_prefix) \
+            if snapshot_every else None
         rejoin = callable(getattr(worker_cls, "rejoin", None))
-        self._restarts = Restarts(
-            self._queue, rejoin=rejoin, grace=check_grace(shutdown_grace),
-            max_restarts=max_restarts, window=window, timeout=self.start_timeout)
+        grace = check_grace(shutdown_grace)
+        self._queue = CallQueue(
+            self._supervisor, max_in_flight, self._timings, session=session,
+            retry_failed=retry_failed,
+            restarts=lambda queue: Restarts(queue, rejoin=rejoin, grace=grace,
+                                            max_restarts=max_restarts, window=window,
+                                            timeout=self.start_timeout))
+        self._restarts = self._queue.restarts
+        assert isinstance(self._restarts, Restarts)
         self._lifecycle = threading.Lock()  # start() and shutdown() take turns
         self._finalizer = weakref.finalize(self, _close, self._supervisor, self._queue,
                                            self._restarts)
@@ -270,15 +273,10 @@ class DistributedRunner:
     def attach_observer(self, observer: Observer) -> None:
         """Tell ``observer`` (:class:`reactor_dist.caller.observers.Observer`) about every call
         from now on: how metrics and traces hook in."""
-        queue = self._queue
-        with queue.lock:
-            if observer not in queue.observers:
-                queue.observers = (*queue.observers, observer)
+        self._queue.attach(observer)
 
     def detach_observer(self, observer: Observer) -> None:
-        queue = self._queue
-        with queue.lock:
-            queue.observers = tuple(o for o in queue.observers if o is not observer)
+        self._queue.detach(observer)
 
     @property
     def max_in_flight(self) -> int:
@@ -357,11 +355,7 @@ class DistributedRunner:
             validation.warn_if_no_cuda(self._supervisor.devices, self._gpus, self._device)
 
     def _lifecycle_ended(self, name: str, began: float, error: BaseException | None) -> None:
-        queue = self._queue
-        if queue.observers:
-            observers = tell(queue.observers, "lifecycle", name, began, perf_counter(), error)
-            with queue.lock:
-                queue.observers = observers
+        self._queue.tell_observers("lifecycle", name, began, perf_counter(), error)
 
     def generate(self, input: Any, /, *, timeout: float | None | EllipsisType = ...,
                  queue_timeout: float | None | EllipsisType = ...) -> Any:

@@ -474,6 +474,11 @@ class Supervisor:
             error.failures = tuple(dataclasses.replace(f, collective=report.lines.get(f.rank))
                                    for f in error.failures)
 
+    def begin_closing(self) -> None:
+        """shutdown() began: an exchange in progress (a restart's) gives up at its next
+        look."""
+        self.closing = True
+
     def dead_of(self, notice: dict[str, Any]) -> list[int] | None:
         """A death notice (Kind.DEATH), read the one way every wait reads it: the ranks
         dead now (the notice's own rank where the watch names none yet); None for a
