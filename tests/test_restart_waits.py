@@ -25,6 +25,7 @@ from probe import Probe
 from restart_workers import FaultAt, Reduces
 
 from reactor_dist import CallQueueFull, DistributedRunner, WorkerCrashed
+from reactor_dist.caller import restart
 from reactor_dist.caller.call_queue import MOVES, State
 from reactor_dist.caller.supervisor import Supervisor
 
@@ -199,7 +200,7 @@ def test_an_interrupt_anywhere_in_restart_leaves_a_runner_that_restarts_and_shut
             runner.generate(FaultAt("sigkill", 1, "call"))
         watcher = None
         if point == "replace":
-            interrupt_inside(monkeypatch, Supervisor, "replace")
+            interrupt_inside(monkeypatch, restart, "replace")
         elif point == "ping":
             interrupt_inside(monkeypatch, Supervisor, "ping")
         elif point == "reload":

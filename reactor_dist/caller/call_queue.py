@@ -170,7 +170,7 @@ def say_restarting(error: BaseException, note: str, then: str = NOT_REPLAYED) ->
         error.args = (f"{message.removesuffix(UNUSABLE_ENDING)}; {note}; {then}",)
 
 class RestartPolicy(Protocol):
-    """What the call queue asks of the restart budget (restarts.Restarts)."""
+    """What the call queue asks of the restart budget (restart.Restarts)."""
 
     def after_failure(self, exc: BaseException) -> str | None:
         """As the runner breaks: None, or the note of the restart it begins."""
@@ -224,7 +224,7 @@ class CallQueue:
         self.session, self.retry_failed = session, retry_failed
         self.retrying: list[tuple[Call, BaseException]] = []
         self.retried = 0  # calls sent again after a restart, so far
-        # The restart budget (restarts.py): asked as the runner breaks.
+        # The restart budget (restart.py): asked as the runner breaks.
         self.restarts = restarts(self) if restarts is not None else NoRestarts()
 
     # -- observers -------------------------------------------------------------------------

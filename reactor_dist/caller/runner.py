@@ -10,7 +10,7 @@ States::
 Only ``healthy`` accepts calls.  An unusable or closed runner refuses every call
 at once with a RuntimeError that says "unusable" and chains the failure that
 made it so; ``restart()`` brings an unusable runner back
-(:mod:`reactor_dist.caller.restarts`); a step is never replayed.  The state, the order of
+(:mod:`reactor_dist.caller.restart`); a step is never replayed.  The state, the order of
 calls and their waits belong to one :class:`~reactor_dist.caller.call_queue.CallQueue`;
 every method here is a thin layer over it, and the ranks' processes belong to
 :class:`~reactor_dist.caller.supervisor.Supervisor`.
@@ -40,7 +40,7 @@ from . import aio, blocking, validation
 from .call_queue import CLOSED, HEALTHY, NEW, CallQueue
 from .calls import Arguments
 from .observers import Observer
-from .restarts import Restarts
+from .restart import Restarts
 from .session import Session
 from .stream import Stream
 from .supervisor import Supervisor

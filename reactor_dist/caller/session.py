@@ -9,7 +9,7 @@ With ``DistributedRunner(snapshot_every=K)`` the caller keeps, for one session::
               SNAPSHOT after the K-th call sent (and after every reset()): once every
               rank returned it, the calls before it and the older snapshot go (their
               segments back to the ranks' pools; a dead rank's are unlinked here)
-    a fault   restart (recovery.py: kept ranks, spares, new processes), then
+    a fault   restart (restart.py: kept ranks, spares, new processes), then
               RESTORE (every rank: restore(its state), read into its own memory)
               CALL 1' .. (the journal's calls again, in order, their results discarded;
               rank 0's digest compared with the first run's: a difference is a WARNING)

@@ -2,7 +2,7 @@
 
 ``DistributedRunner(..., spares=N)`` starts N spares with the ranks.  A spare loads
 with ``rank`` None and ``is_spare`` true, joins no group and gets no calls.  At a
-restart (reactor_dist.caller.recovery) each rank that needs a new process takes a ready spare
+restart (reactor_dist.caller.restart) each rank that needs a new process takes a ready spare
 instead, while there is one: the spare becomes that rank, joins the new group with the
 survivors and runs ``rejoin()`` there, as they do, so the restart costs a group's
 forming and no ``load()``.  Then a new spare starts in the background, in the place

@@ -7,7 +7,7 @@ call is :class:`reactor_dist.caller.calls.CallPath`, which uses this bus, these 
 ledgers; the order of calls is :mod:`reactor_dist.caller.call_queue`'s.
 
 The exchanges that bring ranks up (:meth:`Supervisor.exchange`: start(), and
-restart()'s with replaced and kept ranks, :mod:`reactor_dist.caller.recovery`) send their
+restart()'s with replaced and kept ranks, :mod:`reactor_dist.caller.restart`) send their
 commands on a fixed beat (PING_EVERY), whatever arrives meanwhile, each until every
 rank it is for has answered it or acknowledged it: a PUB/SUB subscriber that has just
 connected may miss a command (the slow joiner), and a command that meets a full pipe
@@ -51,7 +51,6 @@ from ..wire import log_records, transfer
 from ..wire.progress import Display
 from ..wire.protocol import (
     COMMANDS,
-    GROUP_ABORT_SIGNAL,
     PINNED_LIMIT,
     SECRET_SIZE,
     SPARES_SOCKET,
@@ -62,14 +61,12 @@ from ..wire.protocol import (
     Kind,
     Status,
     WorkerRef,
-    result_tag,
-    store_file,
 )
 from . import open_files
 from .bus import Bus, CommandBlocked, private_dir, reclaim_dead_ipc_dirs
 from .fault_log import one_line
 from .releaser import Releaser
-from .spares import Spare, Spares
+from .spares import Spares
 
 
 def raise_first_error(answers: Replies) -> None:
@@ -117,7 +114,7 @@ class Supervisor:
         self.shm_prefix = segments.new_runner_prefix()
         self.shutdown_grace = shutdown_grace
         self.owner_pid = os.getpid()  # a forked child must never tear down our ranks
-        self.epoch = 0  # the generation of ranks: +1 per restart (recovery.py)
+        self.epoch = 0  # the generation of ranks: +1 per restart (restart.py)
         self.closing = False  # shutdown() began: a restart in progress gives up
         self.drop_through = 0  # shutdown() with calls in flight: the ranks skip up to it
         self.devices: list[str] = []  # each rank's device, once started
@@ -135,7 +132,8 @@ class Supervisor:
         self._dir_lock = -1  # the lock in the private directory: see bus.private_dir
         self.display: Display | None = None  # start()'s progress display
         self._worker, self._load_kwargs = worker, pickle.dumps(load_kwargs, protocol=5)
-        self._init_process_group, self._device = init_process_group, device
+        self.forms_group = init_process_group  # the runner forms its own torch group
+        self._device = device
         self._start_timeout, self._keep_free = start_timeout, keep_free
         self._pinned_limit = pinned_limit
         self._group_timeout = timeouts.for_group(call_timeout)
@@ -188,7 +186,7 @@ class Supervisor:
 
     def start_ranks(self, deadline: float, timeout: float | None) -> None:
         assert self.ranks is not None and self.bus is not None
-        self.placement.start(self.ranks, self._bootstrap, self.bus, deadline)
+        self.placement.start(self.ranks, self.bootstrap, self.bus, deadline)
         self.spares.start(list(range(self.world_size, self.world_size + self.spares.count)))
         log.info("started %d rank%s (pids %s)", self.world_size, "s" if self.world_size > 1
                  else "", ", ".join(str(p.pid) for p in self.ranks.procs))
@@ -297,64 +295,6 @@ class Supervisor:
                 self.ranks.found_launcher(rank, header.get(Field.PID))
         return pongs
 
-    def abort_groups(self, ranks: list[int]) -> None:
-        """restart(): each of ``ranks`` (alive) gets out of whatever collective of the
-        failed step it waits in: the old group's connections close on all of them at
-        once, so that a survivor waiting on another survivor is released by it too
-        (reactor_dist.rank.group).  Only for the runner's own group."""
-        if self._init_process_group and self.world_size > 1 and self.ranks is not None:
-            for rank in ranks:
-                self.ranks.procs[rank].signal(GROUP_ABORT_SIGNAL, group=False)
-
-    def remove_old_stores(self) -> None:
-        """A restart formed the group of ``epoch``: the stores of the generations before
-        it go (nobody meets there any more)."""
-        if self.ipc_dir is not None:
-            for epoch in range(self.epoch):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.ipc_dir, store_file(epoch)))
-
-    def new_epoch(self) -> None:
-        """A restart begins: the old death watch ends, and its notices are stale from now
-        on (a notice names the generation it watched)."""
-        assert self.ranks is not None
-        self.ranks.watch.close()
-        self.epoch += 1
-
-    def take_spares(self, gone: list[int]) -> dict[int, Spare]:
-        """restart(): the loaded spares that take the places of the ``gone`` ranks, by
-        rank; a spare that shares a rank's GPU takes only that rank's (spares.match)."""
-        return self.spares.take(gone, self.place_of, self.placement.gpu_of)
-
-    def replace(self, ranks: list[int], takers: dict[int, Spare]) -> None:
-        """restart(), in a new ``epoch``: ``ranks`` end; each of them that a spare of
-        ``takers`` takes has that spare's process from now on (in the spare's place: the
-        rank's goes to a new spare, started in the background), every other one a new
-        process (same rank, GPU, bundle); the others keep theirs, under a new death watch.
-        What the ended ranks held is forgotten (rank 0's result segments too)."""
-        old = self.ranks
-        assert old is not None
-        old.watch.close()
-        old.end_replaced(ranks)
-        freed = []
-        for rank, spare in takers.items():
-            spare.proc.become(rank)
-            old.procs[rank] = spare.proc  # kept from here on, as a survivor is
-            freed.append(self.place_of[rank])
-            self.place_of[rank] = spare.place
-            if spare.device is not None and rank < len(self.devices):
-                self.devices[rank] = spare.device
-            if spare.load_seconds is not None:
-                self.load_seconds[rank] = spare.load_seconds
-        self.ranks = self.new_ranks()
-        self.inputs.forget(ranks)
-        if 0 in ranks:
-            self.results.unmap_unused()
-            segments.remove_starting(self.shm_dir, f"{self.shm_prefix}.{result_tag(0)}")
-        self.placement.restart([r for r in ranks if r not in takers], old, self.ranks,
-                               self._bootstrap)
-        self.spares.start_later(freed)
-
     def shared_memory_bytes(self) -> int:
         """The input pool's segments and the result segments mapped here, in bytes."""
         return sum(seg.size for seg in list(self.inputs.segments.values())) + \
@@ -383,7 +323,7 @@ class Supervisor:
                      seconds if isinstance(seconds, float) else float("nan"),
                      header.get(Field.DEVICE), extra={"rank": rank, "load_seconds": seconds})
 
-    def _bootstrap(self, rank: int) -> Bootstrap:
+    def bootstrap(self, rank: int) -> Bootstrap:
         """Rank ``rank``'s bootstrap, with the fields its placement decides."""
         return Bootstrap(**{**self._own_fields(rank), **self.placement.bootstrap_fields(rank)})
 
@@ -395,7 +335,7 @@ class Supervisor:
             cmd_addr=self.bus.cmd_addr, reply_addr=self.bus.reply_addr,
             runner_pid=os.getpid(), shm_dir=self.shm_dir, shm_prefix=self.shm_prefix,
             worker=self._worker, load_kwargs=self._load_kwargs,
-            init_process_group=self._init_process_group, device=self._device,
+            init_process_group=self.forms_group, device=self._device,
             start_timeout=timeouts.for_library(self._start_timeout), keep_free=self._keep_free,
             pinned_limit=self._pinned_limit,
             group_timeout=self._group_timeout,
@@ -438,7 +378,7 @@ class Supervisor:
     def make_rings(self) -> None:
         """Each rank's collective ring, before the ranks start: the caller makes and maps
         them, so that it reads them after a rank died (collective_ring)."""
-        if self.rings or self.world_size < 2 or not self._init_process_group:
+        if self.rings or self.world_size < 2 or not self.forms_group:
             return
         for rank in range(self.world_size):
             segment = segments.Segment.create(self.shm_dir,
