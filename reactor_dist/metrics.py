@@ -26,10 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .caller.observers import OUTCOMES, Observer
+from .caller.observers import OUTCOMES, CallEnd, CallRecord, Observer
 
 if TYPE_CHECKING:
-    from .caller.calls import Call
     from .caller.runner import DistributedRunner
 
 PREFIX = "reactor_dist_"
@@ -103,14 +102,13 @@ class RunnerMetrics(Observer):
         self.registry: Any = None  # set by register()
 
     # -- hooks (under the call queue's lock: add, nothing more) ----------------------------
-    def first_item(self, call: Call, at: float) -> None:
+    def first_item(self, call: CallRecord, at: float) -> None:
         self.first_item_seconds.observe(at - call.started)
 
-    def settled(self, call: Call, outcome: str,
-                times: tuple[float, float, float, float] | None,
-                compute: tuple[float, ...] | None) -> None:
+    def settled(self, call: CallRecord, end: CallEnd) -> None:
         pending = self.pending
-        pending.append((call.method, outcome, times, compute, call.collective_wait))
+        pending.append((call.method, end.outcome, end.times, end.compute,
+                        end.collective_wait))
         if len(pending) >= self.FOLD_AT:
             self.fold(blocking=False)  # a scrape folding now takes these too
 

@@ -20,25 +20,23 @@ time); :func:`uninstrument` removes it.
 
 All of this rides on :class:`reactor_dist.caller.observers.Observer`: ``sent`` runs in the
 caller's thread or task, so the span starts there, in the caller's context; it is kept
-in ``call.tags`` and ended by ``settled``, in whichever thread received the last reply
-(under the call queue's lock: a span processor there must not block, as
-``BatchSpanProcessor`` does not).  Times are the queue's own ``perf_counter`` readings,
-turned into wall-clock nanoseconds by one offset taken when the observer is made.
+by the call's record (``TracingObserver.spans``) and ended by ``settled``, in
+whichever thread received the last reply (under the call queue's lock: a span
+processor there must not block, as ``BatchSpanProcessor`` does not).  Times are the
+queue's own ``perf_counter`` readings, turned into wall-clock nanoseconds by one offset
+taken when the observer is made.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from .caller.observers import Observer
-
-if TYPE_CHECKING:
-    from .caller.calls import Call
+from .caller.observers import CallEnd, CallRecord, Observer
 
 
 class DistributedRunner(Protocol):
@@ -51,7 +49,6 @@ class DistributedRunner(Protocol):
 
     def detach_observer(self, observer: Observer) -> None: ...
 
-SPAN_KEY = "otel.span"  # this observer's entry in call.tags
 # Each runner's observer; None: uninstrument() was called (start() leaves it untraced).
 _attached: weakref.WeakKeyDictionary[DistributedRunner, TracingObserver | None] = \
     weakref.WeakKeyDictionary()
@@ -85,39 +82,36 @@ class TracingObserver(Observer):
         self.world_size = world_size
         self.tracer = trace.get_tracer("reactor_dist", tracer_provider=tracer_provider)
         self.offset_ns = clock_offset_ns()
+        self.spans: dict[CallRecord, Any] = {}  # the open span of each call in flight
 
     def ns(self, perf_seconds: float) -> int:
         return int(perf_seconds * 1e9) + self.offset_ns
 
-    def sent(self, call: Call) -> None:
+    def sent(self, call: CallRecord) -> None:
         name = "stream" if call.stream else call.method
-        span = self.tracer.start_span(
+        self.spans[call] = self.tracer.start_span(
             f"reactor_dist.{name}", start_time=self.ns(call.started),
             attributes={"reactor_dist.world_size": self.world_size,
                         "reactor_dist.call": call.seq})
-        if call.tags is None:
-            call.tags = {}
-        call.tags[SPAN_KEY] = span
 
-    def first_item(self, call: Call, at: float) -> None:
-        span = call.tags.get(SPAN_KEY) if call.tags else None
+    def first_item(self, call: CallRecord, at: float) -> None:
+        span = self.spans.get(call)
         if span is not None:
             span.add_event("reactor_dist.first_item", timestamp=self.ns(at))
 
-    def settled(self, call: Call, outcome: str,
-                times: tuple[float, float, float, float] | None,
-                compute: tuple[float, ...] | None) -> None:
-        span = call.tags.pop(SPAN_KEY, None) if call.tags else None
+    def settled(self, call: CallRecord, end: CallEnd) -> None:
+        span = self.spans.pop(call, None)
         if span is None:
             return
-        span.set_attribute("reactor_dist.outcome", outcome)
+        compute, times = end.compute, end.times
+        span.set_attribute("reactor_dist.outcome", end.outcome)
         if compute:
             span.set_attribute("reactor_dist.rank_compute_seconds", list(compute))
             span.set_attribute("reactor_dist.slowest_rank",
                                max(range(len(compute)), key=compute.__getitem__))
         ended = self.ns(times[3] if times is not None else time.perf_counter())
-        if call.error is not None:
-            failed(span, call.error, ended)
+        if end.error is not None:
+            failed(span, end.error, ended)
         span.end(end_time=ended)
 
     def lifecycle(self, name: str, began: float, ended: float,

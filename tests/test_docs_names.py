@@ -38,8 +38,8 @@ How a name reference resolves, first rule that applies:
    (``calls.CallPath.send``; it wins over a standard-library module of the same name); a
    foreign root (FOREIGN_ROOTS, or a top-level module of the standard library:
    ``time.monotonic()``) is not checked; a ``CapWords`` first part resolves as in rule
-   2 (``Supervisor.close``); any other first part is unresolved (write ``Call.tags``,
-   not ``call.tags``).
+   2 (``Supervisor.close``); any other first part is unresolved (write ``Call.stream``,
+   not ``call.stream``).
    Then each further part is an attribute of what the chain has reached: a module's
    attribute or submodule, a class's attribute, the class a property is annotated to
    return (``runner.last_timings.busy``), or, last in the chain, an attribute that the

@@ -74,7 +74,18 @@ from ..errors import CallQueueFull, WorkerCrashed, WorkerTimeout, failed_behind,
 from ..wire.protocol import Field, Kind, Method
 from .calls import Call, CallPath, collective_wait_seconds, compute_seconds
 from .fault_log import one_line
-from .observers import CANCELLED, CRASHED, DESYNC, OK, RAISED, TIMED_OUT, Observer, tell
+from .observers import (
+    CANCELLED,
+    CRASHED,
+    DESYNC,
+    OK,
+    RAISED,
+    TIMED_OUT,
+    CallEnd,
+    CallRecord,
+    Observer,
+    tell,
+)
 from .outcome import UNUSABLE_ENDING, judge
 from .session import Session
 from .supervisor import Supervisor
@@ -544,7 +555,8 @@ class CallQueue:
         if turn is not None:
             self.turns.remove(turn)
         if self.observers:
-            self.observers = tell(self.observers, "sent", call)
+            call.record = CallRecord(call.seq, call.method, stream, call.started, call.sent)
+            self.observers = tell(self.observers, "sent", call.record)
         if future is None:
             call.watchers = 1
         else:
@@ -776,8 +788,8 @@ class CallQueue:
                 if header[Field.RANK] == 0:
                     if not call.itemized:
                         call.itemized = True
-                        if self.observers:
-                            self.observers = tell(self.observers, "first_item", call,
+                        if self.observers and call.record is not None:
+                            self.observers = tell(self.observers, "first_item", call.record,
                                                   perf_counter())
                     path.take_item(call, header, body)
                     if call.deadline is not None and call.timeout is not None:
@@ -866,10 +878,11 @@ class CallQueue:
         if (self.timings.enabled or self.observers) and not call.left:
             times = (call.started, call.sent, answered, perf_counter())
             compute = compute_seconds(call, self.world_size)
-            waits = call.collective_wait = collective_wait_seconds(call, self.world_size)
+            waits = collective_wait_seconds(call, self.world_size)
             if self.timings.enabled:
                 self.timings.record(*times, compute, waits)
-            call.times, call.compute = times, compute
+            if call.record is not None:
+                call.measured = times, compute, waits
         if verdict.breaks:
             self.in_flight.appendleft(call)  # fails first, with the error itself
             self.broken(verdict.error, call)  # type: ignore[arg-type]
@@ -890,9 +903,9 @@ class CallQueue:
             self.session.release(call.command, self.path)
             call.command = None
         call.settle(value, error)
-        if self.observers:
-            self.observers = tell(self.observers, "settled", call, outcome, call.times,
-                                  call.compute)
+        if self.observers and call.record is not None:
+            self.observers = tell(self.observers, "settled", call.record,
+                                  CallEnd(outcome, error, *(call.measured or ())))
         if call.future is not None:
             self.settled.append(call)
 

@@ -40,6 +40,7 @@ from .outcome import RETURNED, Outcome
 from .reclaim import MemoryReturn
 
 if TYPE_CHECKING:
+    from .observers import CallRecord
     from .supervisor import Replies, Supervisor
 
 SESSION = "session"  # the holder of a kept call's input segments (reactor_dist.caller.session)
@@ -51,9 +52,9 @@ class Call:
 
     __slots__ = ("seq", "method", "timeout", "what", "replies", "items", "left",
                  "generator", "started", "sent", "deadline", "watchers",
-                 "done", "value", "error", "future", "itemized", "times", "compute",
-                 "collective_wait", "tags", "stream", "command", "received", "skip",
-                 "retried", "every_rank", "logged")
+                 "done", "value", "error", "future", "itemized", "record", "measured",
+                 "stream", "command", "received", "skip", "retried", "every_rank",
+                 "logged")
 
     def __init__(self, seq: int, method: str, timeout: float | None, started: float = 0.0,
                  sent: float = 0.0) -> None:
@@ -75,11 +76,11 @@ class Call:
         self.error: BaseException | None = None
         self.future: Future | None = None  # submit()'s
         self.itemized = False  # rank 0's first item has come
-        # For observers (observers.py): the timings of an answered call, their own state.
-        self.times: tuple[float, float, float, float] | None = None
-        self.compute: tuple[float, ...] | None = None
-        self.collective_wait: tuple[float, ...] | None = None  # None: no rank measured
-        self.tags: dict[str, Any] | None = None
+        # For observers (observers.py): what they were told as it was sent (None: there
+        # were none), and an answered call's times, compute and collective waits.
+        self.record: CallRecord | None = None
+        self.measured: tuple[tuple[float, float, float, float], tuple[float, ...],
+                             tuple[float, ...] | None] | None = None
         # Sessions (reactor_dist.caller.session): what was sent, to send it again (a replay, a
         # retry); rank 0's items received so far, and how many of a retry's to skip
         # (handed over already); whether it was sent again once.
