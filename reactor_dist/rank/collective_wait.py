@@ -258,28 +258,22 @@ def timed(fn: Any, waits: CollectiveWaits, name: str = "") -> Any:
         ring = waits.ring
         entry = recorded.enter(ring, waits, args, kwargs) if ring is not None else -1
         waits.depth += 1
-        if device:
+        if device:  # its time is the device's, between two events
             start, end = waits.pair()
             start.record()
-            try:
-                work = fn(*args, **kwargs)
-            except BaseException:
-                if ring is not None:
-                    ring.mark(entry, ring_layout.RAISED)
-                raise
-            finally:
-                waits.depth -= 1
-                end.record()
         else:
             began = time.perf_counter()
-            try:
-                work = fn(*args, **kwargs)
-            except BaseException:
-                if ring is not None:
-                    ring.mark(entry, ring_layout.RAISED)
-                raise
-            finally:
-                waits.depth -= 1
+        try:
+            work = fn(*args, **kwargs)
+        except BaseException:
+            if ring is not None:
+                ring.mark(entry, ring_layout.RAISED)
+            raise
+        finally:
+            waits.depth -= 1
+            if device:
+                end.record()
+            else:
                 waits.host += time.perf_counter() - began
         if work is not None and hasattr(work, "wait"):
             if ring is not None:
