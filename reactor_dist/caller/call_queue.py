@@ -488,10 +488,16 @@ class CallQueue:
                 raise
         return self.send_once(method, value, timeout, queue_timeout, future, stream)
 
+    def free_to_send(self) -> bool:
+        """Under the lock: the fast path of threads and tasks alike: a call may go now,
+        with no turn (nobody waits for one, healthy, room in flight)."""
+        return not self.turns and self.state is HEALTHY and \
+            len(self.in_flight) < self.max_in_flight
+
     def send_once(self, method: str, value: Any, timeout: float | None,
                   queue_timeout: float | None, future: Future | None = None,
                   stream: bool = False) -> Call:
-        if not self.turns and self.state is HEALTHY and len(self.in_flight) < self.max_in_flight:
+        if self.free_to_send():
             return self.send_now(None, method, value, timeout, future, stream)  # at once
         turn = self.take_turn()
         try:
