@@ -57,7 +57,7 @@ async def send(queue: CallQueue, method: str, value: Any, timeout: float | None,
                queue_timeout: float | None, stream: bool = False) -> Call:
     """:meth:`CallQueue.send_locked` for a task: its turn (and a restart in progress)
     is awaited, never blocking the loop.  The fast path is the threads' one: nobody
-    waits for a turn and there is room in flight, so it is sent at once, under one
+    is waiting for a turn and there is room in flight, so it is sent at once, under one
     take of the lock."""
     with queue.lock:
         if queue.free_to_send():

@@ -490,7 +490,7 @@ class CallQueue:
 
     def free_to_send(self) -> bool:
         """Under the lock: the fast path of threads and tasks alike: a call may go now,
-        with no turn (nobody waits for one, healthy, room in flight)."""
+        with no turn (no caller waiting for one, healthy, room in flight)."""
         return not self.turns and self.state is HEALTHY and \
             len(self.in_flight) < self.max_in_flight
 
