@@ -23,8 +23,11 @@ caller's thread or task, so the span starts there, in the caller's context; it i
 by the call's record (``TracingObserver.spans``) and ended by ``settled``, in
 whichever thread received the last reply (under the call queue's lock: a span
 processor there must not block, as ``BatchSpanProcessor`` does not).  Times are the
-queue's own ``perf_counter`` readings, turned into wall-clock nanoseconds by one offset
-taken when the observer is made.
+queue's own ``perf_counter`` readings, turned into wall-clock nanoseconds by an offset
+read again at most once a second (the wall clock can be stepped or slewed apart from
+``perf_counter``: a stale offset put a restart's span 2 ms before its parent's): a call's
+span keeps the offset its start was stamped with, so its events and end lie inside it,
+and a ``start()``/``restart()`` span is stamped with an offset read when it is reported.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ def configured() -> bool:
     return not isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
 
 
+OFFSET_MAX_AGE = 1.0  # seconds a perf_counter -> wall-clock offset is used before read again
+
+
 def clock_offset_ns(samples: int = 8) -> int:
     """perf_counter ns -> wall-clock ns (spans are stamped in epoch ns): the wall clock
     read between two perf_counter readings, from the tightest of ``samples`` brackets, so
@@ -82,47 +88,60 @@ class TracingObserver(Observer):
         self.world_size = world_size
         self.tracer = trace.get_tracer("reactor_dist", tracer_provider=tracer_provider)
         self.offset_ns = clock_offset_ns()
-        self.spans: dict[CallRecord, Any] = {}  # the open span of each call in flight
+        self.offset_read = time.perf_counter()
+        # the open span of each call in flight, with the offset its start was stamped with
+        self.spans: dict[CallRecord, tuple[Any, int]] = {}
 
-    def ns(self, perf_seconds: float) -> int:
-        return int(perf_seconds * 1e9) + self.offset_ns
+    def current_offset(self) -> int:
+        now = time.perf_counter()
+        if now - self.offset_read > OFFSET_MAX_AGE:
+            self.offset_ns, self.offset_read = clock_offset_ns(), now
+        return self.offset_ns
 
     def sent(self, call: CallRecord) -> None:
         name = "stream" if call.stream else call.method
-        self.spans[call] = self.tracer.start_span(
-            f"reactor_dist.{name}", start_time=self.ns(call.started),
+        offset = self.current_offset()
+        self.spans[call] = (self.tracer.start_span(
+            f"reactor_dist.{name}", start_time=wall_ns(call.started, offset),
             attributes={"reactor_dist.world_size": self.world_size,
-                        "reactor_dist.call": call.seq})
+                        "reactor_dist.call": call.seq}), offset)
 
     def first_item(self, call: CallRecord, at: float) -> None:
-        span = self.spans.get(call)
-        if span is not None:
-            span.add_event("reactor_dist.first_item", timestamp=self.ns(at))
+        open_span = self.spans.get(call)
+        if open_span is not None:
+            span, offset = open_span
+            span.add_event("reactor_dist.first_item", timestamp=wall_ns(at, offset))
 
     def settled(self, call: CallRecord, end: CallEnd) -> None:
-        span = self.spans.pop(call, None)
-        if span is None:
+        open_span = self.spans.pop(call, None)
+        if open_span is None:
             return
+        span, offset = open_span
         compute, times = end.compute, end.times
         span.set_attribute("reactor_dist.outcome", end.outcome)
         if compute:
             span.set_attribute("reactor_dist.rank_compute_seconds", list(compute))
             span.set_attribute("reactor_dist.slowest_rank",
                                max(range(len(compute)), key=compute.__getitem__))
-        ended = self.ns(times[3] if times is not None else time.perf_counter())
+        ended = wall_ns(times[3] if times is not None else time.perf_counter(), offset)
         if end.error is not None:
             failed(span, end.error, ended)
         span.end(end_time=ended)
 
     def lifecycle(self, name: str, began: float, ended: float,
                   error: BaseException | None) -> None:
+        offset = clock_offset_ns()  # read now: a start() or restart() may take minutes
         span = self.tracer.start_span(
-            f"reactor_dist.{name}", start_time=self.ns(began),
+            f"reactor_dist.{name}", start_time=wall_ns(began, offset),
             attributes={"reactor_dist.world_size": self.world_size,
                         "reactor_dist.outcome": "ok" if error is None else "failed"})
         if error is not None:
-            failed(span, error, self.ns(ended))
-        span.end(end_time=self.ns(ended))
+            failed(span, error, wall_ns(ended, offset))
+        span.end(end_time=wall_ns(ended, offset))
+
+
+def wall_ns(perf_seconds: float, offset_ns: int) -> int:
+    return int(perf_seconds * 1e9) + offset_ns
 
 
 def failed(span: Any, error: BaseException, at: int) -> None:
