@@ -49,12 +49,12 @@ def test_transformers_tensor_parallel_llama_matches_world_size_1_and_survives_a_
         got = runner.generate(ids)
         assert got.shape == (32, 256)
         assert float(np.abs(got - expected).max()) <= TOLERANCE
-        assert runner.generate("shards") == [(32, 64), (32, 64)]  # half of q_proj each
+        assert runner.generate("shards") == [(48, 96), (48, 96)]  # half of q_proj each
         survivor = runner.ranks[0].pid
         kill_and_restart(runner, 1)
         assert runner.ranks[0].pid == survivor  # kept its process: rejoin() resharded
         assert float(np.abs(runner.generate(ids) - expected).max()) <= TOLERANCE
-        assert runner.generate("shards") == [(32, 64), (32, 64)]
+        assert runner.generate("shards") == [(48, 96), (48, 96)]
 
 
 def test_diffusers_context_parallel_wan_matches_world_size_1_and_survives_a_fault():
@@ -62,14 +62,14 @@ def test_diffusers_context_parallel_wan_matches_world_size_1_and_survives_a_faul
     with DistributedRunner(WanContextParallel, world_size=2, device="cpu",
                            start_timeout=300, shutdown_grace=1.0) as runner:
         got = runner.generate(STEP)
-        assert got.shape == (1, 4, 2, 16, 16)
+        assert got.shape == (1, 4, 3, 16, 16)
         assert float(np.abs(got - expected).max()) <= TOLERANCE
-        assert runner.generate(-STEP) == [64, 64]  # half of the 128 tokens each
+        assert runner.generate(-STEP) == [96, 96]  # half of the 192 tokens each
         survivor = runner.ranks[1].pid
         kill_and_restart(runner, 0)
         assert runner.ranks[1].pid == survivor
         assert float(np.abs(runner.generate(STEP) - expected).max()) <= TOLERANCE
-        assert runner.generate(-STEP) == [64, 64]
+        assert runner.generate(-STEP) == [96, 96]
 
 
 def run_recipe_as_printed(heading: str) -> None:

@@ -31,10 +31,11 @@ import numpy as np
 from reactor_dist import DistributedWorker
 from workers.hf_llama import compare_world_sizes
 
-TINY = {"patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim": 16,
+# 6 heads and 192 tokens: Ulysses splits both in two and in three
+TINY = {"patch_size": (1, 2, 2), "num_attention_heads": 6, "attention_head_dim": 16,
         "in_channels": 4, "out_channels": 4, "text_dim": 32, "freq_dim": 32, "ffn_dim": 64,
         "num_layers": 2, "rope_max_seq_len": 64}
-LATENT = (1, 4, 2, 16, 16)  # batch, channels, frames, height, width: 2 x 8 x 8 = 128 tokens
+LATENT = (1, 4, 3, 16, 16)  # batch, channels, frames, height, width: 3 x 8 x 8 = 192 tokens
 TEXT_TOKENS = 8
 STEP = 3  # the seed of the step the recipe (and its tests) run
 
