@@ -187,6 +187,9 @@ def test_an_interrupted_fork_keeps_the_template_in_step_and_its_rank_is_reaped(
     """A KeyboardInterrupt between a fork's request and its reply: the next fork reads
     past that reply (its own carries its number), and the rank it named, which was never
     told anything, exits and is reaped: no zombie is left."""
+    # Children of this process that an earlier test of this worker left (a subprocess.Popen
+    # dropped unwaited stays a zombie until the next Popen): not this test's to judge.
+    earlier = {c.pid for c in psutil.Process().children()}
     with runner_for(Echo, world_size=1) as runner:  # the template is ready
         assert runner.generate(0) == 0
     interrupt_a_fork_reply(monkeypatch)
@@ -204,7 +207,7 @@ def test_an_interrupted_fork_keeps_the_template_in_step_and_its_rank_is_reaped(
     assert [t.orphans for t in light] == [set()]
     own = Template.pids()
     zombies = [c.pid for c in psutil.Process().children()
-               if c.pid not in own and c.status() == psutil.STATUS_ZOMBIE]
+               if c.pid not in own | earlier and c.status() == psutil.STATUS_ZOMBIE]
     assert zombies == []
 
 
