@@ -5,11 +5,14 @@ more on 2 cores): `make test-slow` runs it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from reactor_dist.shm import segments
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,6 +95,18 @@ def test_the_cpu_per_call_diagnostic_runs() -> None:
     assert lines[0].startswith("generate(1), world_size 2, 300 calls x 1 trials")
     assert [line.split()[0] for line in lines[2:]] == ["reactor_dist", "floor"]
     assert all(len(line.split()) == 4 for line in lines[2:])
+
+
+@pytest.mark.timeout(120)
+def test_the_ring_entry_cost_diagnostic_runs_and_leaves_nothing_in_dev_shm() -> None:
+    before = set(os.listdir(segments.DEFAULT_DIR))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.ring_entry_cost", "--calls", "1000"],
+                          cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert [line.split(":")[0] for line in proc.stdout.splitlines()] == \
+        ["an all_reduce's entry and its mark", "a call's begin"]
+    assert [n for n in os.listdir(segments.DEFAULT_DIR)
+            if n not in before and n.startswith("rd-ring-cost-")] == []
 
 
 @pytest.mark.timeout(120)

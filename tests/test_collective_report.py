@@ -111,6 +111,23 @@ def test_each_rank_has_a_ring_in_dev_shm_while_started_and_none_after():
     assert not [n for n in os.listdir("/dev/shm") if ".coll" in n and str(os.getpid()) in n]
 
 
+def test_the_ring_entry_cost_diagnostics_ring_has_no_file_once_mapped():
+    """benchmarks.ring_entry_cost's ring: written through its mapping, its /dev/shm file
+    already gone, so that no way of ending the diagnostic leaves one behind."""
+    from benchmarks.ring_entry_cost import mapped_ring
+
+    before = set(os.listdir("/dev/shm"))
+    ring = mapped_ring()
+    try:
+        assert set(os.listdir("/dev/shm")) - before == set()
+        ring.begin(7)
+        assert ring.enter(collective_ring.KIND_CODE["all_reduce"], [], (0, ())) == 0
+        assert collective_ring.begun(ring.mm[:]) == 7
+        assert [(e.seq, e.kind) for e in collective_ring.read(ring.mm[:])] == [(7, "all_reduce")]
+    finally:
+        ring.mm.close()
+
+
 def entry(seq: int, index: int, kind: str, state: int, shape: tuple[int, ...] = (4,),
           dtype: str = "float32", group: tuple[int, ...] = (), number: int | None = None
           ) -> Entry:
