@@ -5,7 +5,7 @@ order of calls and the turns of the threads and tasks that make them, the calls 
 flight, who reads the reply socket, the deadlines, and the collector thread.  Every
 form of call (``generate``, ``submit``, ``stream``, ``reset`` and their asyncio forms)
 is a thin adapter over it (:mod:`reactor_dist.caller.blocking`, :mod:`reactor_dist.caller.aio`,
-:mod:`reactor_dist.stream`).  Two calls in flight::
+:mod:`reactor_dist.caller.stream`).  Two calls in flight::
 
     callers (threads, tasks)       CallQueue (one lock)                ranks
     submit(a) -- turn 1 ------->   CallPath.send: CALL 7 ----------->  run 7

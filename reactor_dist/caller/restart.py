@@ -80,7 +80,6 @@ def first_line(exc: BaseException) -> str:
     return lines[0].rstrip(":") if lines else type(exc).__name__
 
 
-
 def told(done: Restarted) -> str:
     """What a restart did, for its log record: who got a new process, who was kept."""
     parts = []
@@ -94,6 +93,7 @@ def told(done: Restarted) -> str:
     if not done.kept:
         parts.append("no rank kept its model")
     return "; ".join(parts)
+
 
 class Restarts:
     """How many restarts so far, the budget, and the restart itself, of one runner."""
@@ -165,7 +165,7 @@ class Restarts:
 
             deadline = timeouts.deadline_of(timeout)
             done = restart(supervisor, rejoin=self.rejoin, grace=self.grace,
-                                    timeout=timeout, last_seq=last_seq, other=other)
+                           timeout=timeout, last_seq=last_seq, other=other)
             session, replayed = queue.session, ""
             if session is not None:  # every rank restores the snapshot; the calls since
                 path.ranks = supervisor.ranks
@@ -252,10 +252,10 @@ def restart(supervisor: Supervisor, *, rejoin: bool, grace: float, timeout: floa
 
     progress = frozenset({Kind.PROGRESS})
     if 0 in joining:  # rank 0 opens the new group's store first (across nodes: a new port)
-        told = supervisor.exchange([Ask(rejoin_command([0]), Kind.PROGRESS, frozenset({0}))],
-                                   deadline - time.monotonic(), timeout, "restart()",
-                                   other=other)
-        port = told[0][0].get(Field.PORT) or 0
+        opened = supervisor.exchange([Ask(rejoin_command([0]), Kind.PROGRESS, frozenset({0}))],
+                                     deadline - time.monotonic(), timeout, "restart()",
+                                     other=other)
+        port = opened[0][0].get(Field.PORT) or 0
     asks = [Ask({Field.KIND: Kind.INIT, Field.SEQ: 0, Field.EPOCH: epoch, Field.PORT: port,
                  Field.RANKS: replaced}, Kind.READY, frozenset(replaced), progress)]
     if joining:
@@ -349,5 +349,5 @@ def replace(supervisor: Supervisor, ranks: list[int], takers: dict[int, Spare]) 
         supervisor.results.unmap_unused()
         segments.remove_starting(supervisor.shm_dir, f"{supervisor.shm_prefix}.{result_tag(0)}")
     supervisor.placement.restart([r for r in ranks if r not in takers], old, supervisor.ranks,
-                           supervisor.bootstrap)
+                                 supervisor.bootstrap)
     supervisor.spares.start_later(freed)
