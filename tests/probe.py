@@ -48,9 +48,9 @@ class Probe:
         self._queue = runner._queue
 
     @property
-    def call_queue(self):
-        """The runner's call queue (reactor_dist.caller.call_queue.CallQueue): its state machine."""
-        return self._queue
+    def engine(self):
+        """The runner's engine (reactor_dist.caller.engine.Engine): its state machine."""
+        return self._queue.engine
 
     @property
     def rank_pids(self) -> list[int]:

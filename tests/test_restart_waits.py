@@ -26,7 +26,7 @@ from restart_workers import FaultAt, Reduces
 
 from reactor_dist import CallQueueFull, DistributedRunner, WorkerCrashed
 from reactor_dist.caller import restart
-from reactor_dist.caller.call_queue import MOVES, State
+from reactor_dist.caller.engine import MOVES, State
 from reactor_dist.caller.supervisor import Supervisor
 
 RELOAD = 1.5  # seconds the replacement's load() takes
@@ -228,10 +228,10 @@ def test_an_interrupt_anywhere_in_restart_leaves_a_runner_that_restarts_and_shut
 
 def test_an_illegal_move_is_a_bug_that_raises():
     runner = DistributedRunner(Reduces, world_size=1, device="cpu")
-    queue = Probe(runner).call_queue
+    engine = Probe(runner).engine
     assert State.RESTARTING not in MOVES[State.NEW]
     with pytest.raises(RuntimeError, match="cannot move from new to restarting"):
-        queue.move(State.RESTARTING)
-    assert queue.state is State.NEW
+        engine.move(State.RESTARTING)
+    assert engine.state is State.NEW
     runner.shutdown()
-    assert queue.state is State.CLOSED and MOVES[State.CLOSED] == frozenset()
+    assert engine.state is State.CLOSED and MOVES[State.CLOSED] == frozenset()

@@ -29,8 +29,9 @@ from collections.abc import Callable, Coroutine, Generator
 from typing import Any, ParamSpec, TypeVar
 
 from ..wire.protocol import Method
-from .call_queue import RESTARTING, CallQueue, Waker
+from .call_queue import CallQueue, Waker
 from .calls import Call, hand_out
+from .engine import RESTARTING
 
 
 async def wait(queue: CallQueue, satisfied: Callable[[], bool],
@@ -60,21 +61,23 @@ async def send(queue: CallQueue, method: str, value: Any, timeout: float | None,
     is waiting for a turn and there is room in flight, so it is sent at once, under one
     take of the lock."""
     with queue.lock:
-        if queue.free_to_send():
+        engine = queue.engine
+        if engine.free_to_send():
             return queue.send_now(None, method, value, timeout, None, stream)
-        turn = queue.take_turn()
+        turn = engine.take_turn()
     try:
         give_up = None if queue_timeout is None else time.monotonic() + queue_timeout
         while True:
-            if not await wait(queue, lambda: queue.may_send(turn), give_up):
+            if not await wait(queue, lambda: engine.may_send(turn), give_up):
                 with queue.lock:
-                    raise queue.not_sent(method, queue_timeout)
+                    raise engine.not_sent(method, queue_timeout)
             with queue.lock:
-                if queue.may_send(turn):  # still (a restart may have begun meanwhile)
+                if engine.may_send(turn):  # still (a restart may have begun meanwhile)
                     return queue.send_now(turn, method, value, timeout, None, stream)
     finally:
         with queue.lock:
-            queue.leave_turn(turn)
+            engine.leave_turn(turn)
+            queue.carry_out()
 
 
 async def call(queue: CallQueue, method: str, value: Any, timeout: float | None,
@@ -92,13 +95,13 @@ async def call(queue: CallQueue, method: str, value: Any, timeout: float | None,
 async def wait_idle(queue: CallQueue, timeout: float | None) -> bool:
     """:func:`reactor_dist.caller.blocking.wait_idle` for a task."""
     with queue.lock:
-        if queue.state is not RESTARTING:
-            queue.check_usable()
-        answered = queue.answered_so_far()
+        if queue.engine.state is not RESTARTING:
+            queue.engine.check_usable()
+        answered = queue.engine.answered_so_far()
     give_up = None if timeout is None else time.monotonic() + timeout
     idle = await wait(queue, answered, give_up)
     if idle:
-        queue.check_usable()  # the runner broke meanwhile: raises, chaining the failure
+        queue.engine.check_usable()  # the runner broke meanwhile: raises, chaining the failure
     return idle
 
 

@@ -12,8 +12,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from ..wire.protocol import Method
-from .call_queue import RESTARTING, CallQueue
+from .call_queue import CallQueue
 from .calls import Call
+from .engine import RESTARTING
 
 
 def call(queue: CallQueue, method: str, value: Any, timeout: float | None,
@@ -28,7 +29,7 @@ def call(queue: CallQueue, method: str, value: Any, timeout: float | None,
                 queue.leave(sent)
                 raise
     finally:
-        if queue.settled:
+        if queue.engine.settled:
             queue.settle_futures()
     return sent.result()
 
@@ -69,11 +70,11 @@ def wait_idle(queue: CallQueue, timeout: float | None) -> bool:
     passed (False); a restart in progress is waited for; raises the failure if the
     runner breaks meanwhile."""
     with queue.lock:
-        if queue.state is not RESTARTING:
-            queue.check_usable()
+        if queue.engine.state is not RESTARTING:
+            queue.engine.check_usable()
         give_up = None if timeout is None else time.monotonic() + timeout
-        idle = queue.pump(queue.answered_so_far(), give_up)
+        idle = queue.pump(queue.engine.answered_so_far(), give_up)
         if idle:
-            queue.check_usable()  # the runner broke meanwhile: raises, chaining the failure
+            queue.engine.check_usable()  # the runner broke meanwhile: raises, chaining the failure
     queue.settle_futures()
     return idle

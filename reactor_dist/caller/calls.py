@@ -161,6 +161,13 @@ def hand_out(stream: Ends, more: bool, item: Any, stop: type[Exception]) -> Any:
     return value
 
 
+def any_raised(call: Call) -> bool:
+    """A rank raised in ``call``: the ranks that did hold the next call until every rank
+    answered this one (Kind.ANSWERED)."""
+    return any(header.get(Field.STATUS) == Status.RAISED
+               for header, _ in call.replies.values())
+
+
 def compute_seconds(call: Call, world_size: int) -> tuple[float, ...]:
     """Each rank's seconds inside its worker method (Field.COMPUTE of its REPLY)."""
     replies = call.replies
@@ -336,8 +343,7 @@ class CallPath:
     def owe_answered(self, call: Call) -> None:
         """Every rank answered ``call``: if any raised, they hold the next call until
         told (Kind.ANSWERED), now or, if a pipe is full, at the next receive."""
-        if any(header.get(Field.STATUS) == Status.RAISED
-               for header, _ in call.replies.values()):
+        if any_raised(call):
             self.answered_due = call.seq
             self.tell_answered()
 

@@ -109,9 +109,10 @@ class Restarts:
         self.last: Restarted | None = None
 
     def after_failure(self, exc: BaseException) -> str | None:
-        """Under the queue's lock, as the runner breaks with ``exc``: None, or it restarts
-        itself (the queue moves to ``restarting``) and this note goes on the failed
-        calls' errors (the queue says what becomes of each call)."""
+        """As the runner breaks with ``exc`` (the engine asks; it only decides): None, or
+        it restarts itself (the engine moves to ``restarting`` and asks its driver to
+        :meth:`start` it) and this note goes on the failed calls' errors (the engine says
+        what becomes of each call)."""
         if self.max_restarts <= 0:
             return None
         now = time.monotonic()
@@ -121,12 +122,16 @@ class Restarts:
             self.exhausted = [e for _, e in self.spent] + [exc]
             return None
         self.spent.append((now, exc))
-        self.thread = threading.Thread(target=self.in_background, daemon=True,
-                                       name="reactor-dist-restart")
-        self.thread.start()
         return (f"the runner is restarting (restart {len(self.spent)} of "
                 f"max_restarts={self.max_restarts} within {self.window:g} s): the next call "
                 f"waits for it")
+
+    def start(self) -> None:
+        """Under the queue's lock: the restart that after_failure() allowed, in a thread
+        of its own (it waits for the lock, and takes the reply socket over)."""
+        self.thread = threading.Thread(target=self.in_background, daemon=True,
+                                       name="reactor-dist-restart")
+        self.thread.start()
 
     def stop(self) -> None:
         """Shutdown: a restart in progress gives up (within a beat) before anything ends."""
@@ -166,7 +171,7 @@ class Restarts:
             deadline = timeouts.deadline_of(timeout)
             done = restart(supervisor, rejoin=self.rejoin, grace=self.grace,
                            timeout=timeout, last_seq=last_seq, other=other)
-            session, replayed = queue.session, ""
+            session, replayed = queue.engine.session, ""
             if session is not None:  # every rank restores the snapshot; the calls since
                 path.ranks = supervisor.ranks
                 session.renewed(done.replaced + done.taken)
@@ -174,7 +179,7 @@ class Restarts:
                 done = done._replace(seconds=done.seconds + seconds)
                 replayed = (f"; every rank restored the snapshot and ran the {kept} call"
                             f"{'s' * (kept != 1)} since it again")
-            again = [call.what for call, _ in queue.retrying]  # sent once this returns
+            again = [call.what for call, _ in queue.engine.retrying]  # sent once this returns
             if again:
                 replayed += f"; {', '.join(again)} sent again (retry_failed)"
             self.count += 1

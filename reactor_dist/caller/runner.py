@@ -37,8 +37,9 @@ from ..timeouts import check_timeout as _check_timeout
 from ..wire.protocol import PINNED_LIMIT, Method
 from ..worker import check_not_rerunning_main
 from . import aio, blocking, validation
-from .call_queue import CLOSED, HEALTHY, NEW, CallQueue
+from .call_queue import CallQueue
 from .calls import Arguments
+from .engine import CLOSED, HEALTHY, NEW
 from .observers import Observer
 from .restart import Restarts
 from .session import Session
@@ -59,7 +60,7 @@ def _close(supervisor: Supervisor, queue: CallQueue, restarts: Restarts) -> None
     """Finalizer (also at interpreter exit): never leave a process or a file behind."""
     try:
         restarts.stop()  # a restart in progress gives up first
-        graceful = queue.state is HEALTHY
+        graceful = queue.engine.state is HEALTHY
         queue.close()  # the calls in flight fail
         supervisor.close(graceful=graceful)
     except BaseException:
@@ -228,7 +229,7 @@ class DistributedRunner:
     @property
     def calls_in_flight(self) -> int:
         """Calls sent to the ranks and not yet answered by every rank, now."""
-        return len(self._queue.in_flight)
+        return len(self._queue.engine.in_flight)
 
     @property
     def ranks(self) -> tuple[RankInfo, ...]:
@@ -268,7 +269,7 @@ class DistributedRunner:
     @property
     def closed(self) -> bool:
         """True once shutdown() ran (or start() failed): the runner is done for good."""
-        return self._queue.state == CLOSED
+        return self._queue.engine.state == CLOSED
 
     def attach_observer(self, observer: Observer) -> None:
         """Tell ``observer`` (:class:`reactor_dist.caller.observers.Observer`) about every call
@@ -281,13 +282,13 @@ class DistributedRunner:
     @property
     def max_in_flight(self) -> int:
         """At most this many calls are sent to the ranks and not yet answered."""
-        return self._queue.max_in_flight
+        return self._queue.engine.max_in_flight
 
     @property
     def healthy(self) -> bool:
         """True between a successful start() and a crash, timeout, desync or shutdown.
         Only reads: a rank that died while idle is reported by the next call."""
-        return self._queue.state == HEALTHY and not self._supervisor.dead()
+        return self._queue.engine.state == HEALTHY and not self._supervisor.dead()
 
     # -- timings (reactor_dist.caller.timings) ---------------------------------------------
     @property
@@ -313,10 +314,11 @@ class DistributedRunner:
         stats = self._timings.stats(reset)
         stats.restarts = self._restarts.count
         stats.spares_ready, stats.spare_takeovers = self.spares_ready, self.spare_takeovers
-        session = self._queue.session
+        session = self._queue.engine.session
         if session is not None:
             stats.snapshots, stats.replayed = session.snapshots, session.replayed
-            stats.replay_differences, stats.retried = session.differences, self._queue.retried
+            stats.replay_differences = session.differences
+            stats.retried = self._queue.engine.retried
         return stats
 
     def reset_stats(self) -> None:
@@ -328,7 +330,7 @@ class DistributedRunner:
         """Start every rank and return once each finished load()."""
         queue = self._queue
         with self._lifecycle:
-            if queue.state != NEW:
+            if queue.engine.state != NEW:
                 raise RuntimeError("a DistributedRunner starts once; restart() brings its "
                                    "ranks back after a failure")
             if "opentelemetry.trace" in sys.modules:  # the app uses OpenTelemetry
@@ -343,7 +345,7 @@ class DistributedRunner:
                 self._lifecycle_ended("start", began, exc)
                 raise
             queue.open()
-            if queue.session is not None:
+            if queue.engine.session is not None:
                 try:
                     queue.first_snapshot(self.call_timeout)
                 except BaseException as exc:
@@ -511,7 +513,7 @@ class DistributedRunner:
         await asyncio.to_thread(self.shutdown)
 
     async def __aenter__(self) -> DistributedRunner:
-        if self._queue.state == NEW:
+        if self._queue.engine.state == NEW:
             await self.astart()
         return self
 
@@ -524,7 +526,7 @@ class DistributedRunner:
             self._finalizer()
 
     def __enter__(self) -> DistributedRunner:
-        if self._queue.state == NEW:
+        if self._queue.engine.state == NEW:
             self.start()
         return self
 
@@ -533,4 +535,4 @@ class DistributedRunner:
 
     def __repr__(self) -> str:
         return (f"<DistributedRunner {self._worker_name} world_size={self._world_size} "
-                f"state={self._queue.state}>")
+                f"state={self._queue.engine.state}>")

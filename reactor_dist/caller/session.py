@@ -74,6 +74,7 @@ class Session:
         self.journal: deque[Entry] = deque()
         self.sent_since = 0  # calls sent since the last SNAPSHOT was sent
         self.orphans: set[str] = set()  # the snapshot's segments of a process gone
+        self.unlinking: list[str] = []  # orphans let go, not yet unlinked
         self.snapshots = 0  # complete snapshots taken
         self.replayed = 0  # calls run again by restarts
         self.differences = 0  # of those, how many gave rank 0 another result
@@ -133,14 +134,19 @@ class Session:
             self.release(self.journal.popleft().command, path)
 
     def let_go(self, old: Snapshot, path: CallPath) -> None:
-        """An older snapshot's segments: back to their rank's pool, or unlinked where
-        the process that made them is gone."""
+        """An older snapshot's segments: back to their rank's pool, or, where the process
+        that made them is gone, to be unlinked (the engine decides this; its driver
+        unlinks them, :meth:`unlink_let_go`)."""
         for names in old.names:
             orphans = names & self.orphans
-            for name in orphans:
-                segments.unlink_quietly(os.path.join(self.shm_dir, name))
+            self.unlinking.extend(orphans)  # by the driver (unlink_let_go)
             self.orphans -= orphans
             path.results.release(names - orphans)  # RELEASED: to the rank that owns them
+
+    def unlink_let_go(self) -> None:
+        """The segments :meth:`let_go` found orphaned: unlinked now."""
+        while self.unlinking:
+            segments.unlink_quietly(os.path.join(self.shm_dir, self.unlinking.pop()))
 
     def release(self, command: Command, path: CallPath) -> None:
         """A call is no longer needed: its input segments go back to the pool."""
@@ -236,6 +242,7 @@ class Session:
     def close(self) -> None:
         """Shutdown: the ranks' own pools go with them; a dead process's snapshot
         segments go here (Supervisor.close removes the runner's prefix anyway)."""
+        self.unlink_let_go()
         for name in self.orphans:
             segments.unlink_quietly(os.path.join(self.shm_dir, name))
         self.orphans.clear()
