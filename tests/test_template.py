@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -209,6 +210,69 @@ def test_an_interrupted_fork_keeps_the_template_in_step_and_its_rank_is_reaped(
     zombies = [c.pid for c in psutil.Process().children()
                if c.pid not in own | earlier and c.status() == psutil.STATUS_ZOMBIE]
     assert zombies == []
+
+
+def test_orphans_adopted_while_a_rank_is_forked_are_reaped_and_the_apps_children_untouched(
+        runner_for):
+    """While a rank is forked this process is a child subreaper, so an orphan of the
+    application's own processes (a shell's background job, whose shell exits) may be
+    handed to it: each is waited for, not left a zombie; and no child of the
+    application's own is ever waited for here (each shell's exit status reaches it)."""
+    with runner_for(Echo, world_size=1) as runner:  # the template is ready
+        runner.generate(0)
+    statuses: list[int | None] = []
+    stop = threading.Event()
+
+    def orphan_maker() -> None:
+        while not stop.is_set():
+            statuses.append(subprocess.Popen(["sh", "-c", "sleep 0.2 & exit 3"]).wait())
+
+    maker = threading.Thread(target=orphan_maker)
+    maker.start()
+    try:
+        for _ in range(3):
+            with runner_for(Echo, world_size=2) as runner:
+                assert runner.generate(1) == 1
+    finally:
+        stop.set()
+        maker.join()
+    assert len(statuses) > 10 and set(statuses) == {3}
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        sleeps = [c for c in psutil.Process().children() if c.name() == "sleep"]
+        if not sleeps:
+            break
+        time.sleep(0.1)
+    assert [(c.pid, c.status()) for c in sleeps] == []
+
+
+SUBREAPER_APP = textwrap.dedent("""
+    import ctypes, os, sys
+    sys.path.insert(0, {tests!r})
+    from sample_workers import Echo, ProcessFacts
+    from reactor_dist import DistributedRunner
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def subreaper():
+        value = ctypes.c_int(0)
+        libc.prctl(37, ctypes.byref(value), 0, 0, 0)
+        return value.value
+
+    if __name__ == "__main__":
+        assert libc.prctl(36, 1, 0, 0, 0) == 0
+        with DistributedRunner(Echo, world_size=1, device="cpu") as runner:
+            (facts,) = runner.generate(ProcessFacts())
+        print(subreaper(), facts["ppid"] == os.getpid())
+""")
+
+
+def test_an_application_that_is_a_subreaper_stays_one(tmp_path):
+    script = tmp_path / "app.py"
+    script.write_text(SUBREAPER_APP.format(tests=TESTS))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["1 True"]
 
 
 IDLE_APP = textwrap.dedent("""

@@ -19,6 +19,9 @@ A forked rank is a child of the runner, as a spawned one is: the template forks 
 intermediate process, which forks the rank and exits, and the runner, a child
 subreaper (``PR_SET_CHILD_SUBREAPER``) only while it waits for that reply, adopts the
 orphan.  The runner waits for it, signals it and reads its exit status like any child.
+Any other orphan of the application's own processes handed to it in that window is
+waited for (:func:`reap_adopted`), never left a zombie; an application that is a
+subreaper itself stays one, and what it adopts stays its own.
 
 One template serves every runner of a process.  It stays while a runner of the process
 is started, and for :data:`IDLE` seconds (:func:`set_rank_template_idle`) after the
@@ -87,7 +90,7 @@ KEPT = 4  # templates a process keeps (one per kind and environment), the least 
 # used ended
 READY_TIMEOUT = 60.0  # seconds for a template to import torch (a loaded machine: ~10)
 FORK_TIMEOUT = 10.0  # seconds for a fork's reply
-PR_SET_NAME, PR_SET_CHILD_SUBREAPER = 15, 36
+PR_SET_NAME, PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 15, 36, 37
 # Python 3.10 has no process_group=: a new session also makes a new process group.
 OWN_PROCESS_GROUP: dict[str, Any] = (
     {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True})
@@ -99,10 +102,73 @@ class TemplateFailed(RuntimeError):
     """No rank could be forked: the caller spawns it instead."""
 
 
-def _prctl(option: int, value: int | bytes) -> None:
+def _prctl(option: int, value: Any) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(option, value, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+
+
+def _is_subreaper() -> bool:
+    """This process is a child subreaper of its own (the application's setting)."""
+    value = ctypes.c_int(0)
+    _prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(value))
+    return bool(value.value)
+
+
+def _adoptive_children() -> tuple[set[int], bool]:
+    """The children of this process's main thread, zombies included: the thread that
+    the kernel hands orphans to (a process a thread forks is that thread's child); and
+    whether only that thread's are known (False: a kernel without CONFIG_PROC_CHILDREN,
+    every child of the process, read from every process's /proc entry)."""
+    try:
+        with open(f"/proc/self/task/{os.getpid()}/children") as f:
+            return set(map(int, f.read().split())), True
+    except OSError:
+        import psutil
+        return {child.pid for child in psutil.Process().children()}, False
+
+
+def _boot_ticks() -> int:
+    """Now, in the clock ticks since boot that /proc/PID/stat states start times in."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+
+
+def _started(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (None: gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def reap_adopted(before: set[int], window: int, known: set[int]) -> list[int]:
+    """After a fork's reply: the processes this one adopted while it was a subreaper
+    for it (orphans of the application's own tree whose parent died meanwhile, the
+    main thread's children now that were not before) are waited for, now or by a
+    thread as each exits, so that none stays a zombie.  A child the application forked
+    meanwhile is never touched: one started before the window opened (``window``
+    ticks) was adopted; one started since was adopted only if the main thread, the
+    only one that adopts, is this one (busy here, it forked nothing); elsewhere it is
+    left alone.  The pids adopted."""
+    children, by_thread = _adoptive_children()
+    main_thread_here = by_thread and threading.get_native_id() == os.getpid()
+    adopted = []
+    for pid in children - before - known:
+        started = _started(pid)
+        if started is None or (started >= window and not main_thread_here):
+            continue
+        adopted.append(pid)
+        with contextlib.suppress(ChildProcessError):
+            if not os.waitpid(pid, os.WNOHANG)[0]:  # still running: reaped as it exits
+                threading.Thread(target=_wait_quietly, args=(pid,), daemon=True,
+                                 name="reactor-dist-reap").start()
+    return adopted
+
+
+def _wait_quietly(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
 
 
 class Template:
@@ -258,8 +324,16 @@ class Template:
         self.seq += 1
         request = ForkRequest(self.seq, env, cwd, sorted(os.sched_getaffinity(0)))
         try:
+            own = _is_subreaper()  # the application's: kept, and what it adopts is its own
+        except OSError as e:
+            raise TemplateFailed(f"this process cannot adopt the rank ({e})") from None
+        window = _boot_ticks()
+        before = set() if own else _adoptive_children()[0]
+        reply = None
+        try:
             try:
-                _prctl(PR_SET_CHILD_SUBREAPER, 1)
+                if not own:
+                    _prctl(PR_SET_CHILD_SUBREAPER, 1)
             except OSError as e:
                 raise TemplateFailed(f"this process cannot adopt the rank ({e})") from None
             try:
@@ -273,7 +347,9 @@ class Template:
                 if reply.pid:
                     self.orphans.add(reply.pid)
         finally:
-            _prctl(PR_SET_CHILD_SUBREAPER, 0)
+            if not own:
+                _prctl(PR_SET_CHILD_SUBREAPER, 0)
+                reap_adopted(before, window, self.orphans | ({reply.pid} if reply else set()))
         if not reply.pid:
             raise TemplateFailed(reply.error)
         if not _is_child(reply.pid):
