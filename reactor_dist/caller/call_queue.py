@@ -124,6 +124,7 @@ class CallQueue:
         self.supervisor, self.timings = supervisor, timings
         self.world_size = supervisor.world_size
         self.restarts = restarts(self) if restarts is not None else None
+        self.session = session  # the engine's too: it keeps what each call leaves
         self.engine = Engine(supervisor.world_size, max_in_flight, timings, session=session,
                              retry_failed=retry_failed, restarts=self.restarts)
         self.path: CallPath | None = None
@@ -175,7 +176,7 @@ class CallQueue:
             elif do is Do.START_RESTART:
                 assert self.restarts is not None
                 self.restarts.start()
-        session = engine.session
+        session = self.session
         if session is not None and session.unlinking:
             session.unlink_let_go()
         if engine.changed:
@@ -268,8 +269,8 @@ class CallQueue:
             engine.close()
             self.carry_out()
             self.wait_for_receiver()
-            if engine.session is not None:
-                engine.session.close()
+            if self.session is not None:
+                self.session.close()
         self.stop_collector()
         self.settle_futures()
 
@@ -326,7 +327,7 @@ class CallQueue:
         self.sending = True
         try:
             call = path.send(method, value, timeout, bool(engine.in_flight),
-                             keep=engine.session is not None)
+                             keep=self.session is not None)
         except (WorkerCrashed, WorkerTimeout) as exc:
             self.broken(exc, raised=True)
             raise  # keeps its __cause__
@@ -342,9 +343,9 @@ class CallQueue:
         """Under the lock (sessions): a SNAPSHOT in flight (None: the runner broke
         sending it)."""
         engine = self.engine
-        assert engine.session is not None and self.path is not None
+        assert self.session is not None and self.path is not None
         try:
-            snapshot = engine.session.send_snapshot(self.path, timeout, bool(engine.in_flight))
+            snapshot = self.session.send_snapshot(self.path, timeout, bool(engine.in_flight))
         except (WorkerCrashed, WorkerTimeout) as exc:
             self.broken(exc)  # the calls before it fail with it; this caller's too
             return None
@@ -355,16 +356,16 @@ class CallQueue:
     def first_snapshot(self, timeout: float | None) -> None:
         """start(), with sessions: the state load() left, before any call."""
         engine = self.engine
-        assert engine.session is not None
+        assert self.session is not None
         with self.lock:
             snapshot = self.send_snapshot(timeout)
             if snapshot is not None:
                 self.pump(lambda: snapshot.done or engine.state is not HEALTHY)
             engine.check_usable()
-            if engine.session.snapshot is None:
-                raise RuntimeError(f"snapshot_every={engine.session.every}: snapshot() did "
+            if self.session.snapshot is None:
+                raise RuntimeError(f"snapshot_every={self.session.every}: snapshot() did "
                                    f"not return on every rank at start() "
-                                   f"({engine.session.failure}); fix snapshot(), or pass "
+                                   f"({self.session.failure}); fix snapshot(), or pass "
                                    f"snapshot_every=0")
         self.settle_futures()
 

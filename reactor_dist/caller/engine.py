@@ -75,7 +75,6 @@ from .observers import (
     tell,
 )
 from .outcome import UNUSABLE_ENDING, judge
-from .session import Session
 from .timings import Recorder
 
 
@@ -132,6 +131,22 @@ def say_restarting(error: BaseException, note: str, then: str = NOT_REPLAYED) ->
         error.args = (f"{message.removesuffix(UNUSABLE_ENDING)}; {note}; {then}",)
 
 
+class Journal(Protocol):
+    """What the engine asks of a session (session.Session, snapshot_every=): it keeps
+    what every answered call leaves, and says when a snapshot is due."""
+
+    every: int
+
+    def due(self, call: Call) -> bool:
+        """``call`` was sent: whether a SNAPSHOT goes right behind it."""
+
+    def record(self, call: Call, codec: Any) -> None:
+        """Every rank answered ``call`` (one that did not break the runner)."""
+
+    def release(self, command: Any, codec: Any) -> None:
+        """A call is no longer needed: its input goes back."""
+
+
 class RestartPolicy(Protocol):
     """What the engine asks of the restart budget (restart.Restarts); it only decides:
     the driver starts the restart (Do.START_RESTART)."""
@@ -158,7 +173,7 @@ class Engine:
     ``session``, ``retry_failed`` and the restart budget are given when it is made."""
 
     def __init__(self, world_size: int, max_in_flight: int, timings: Recorder, *,
-                 session: Session | None = None, retry_failed: bool = False,
+                 session: Journal | None = None, retry_failed: bool = False,
                  restarts: RestartPolicy | None = None) -> None:
         self.world_size, self.max_in_flight, self.timings = world_size, max_in_flight, timings
         self.session, self.retry_failed = session, retry_failed

@@ -171,7 +171,7 @@ class Restarts:
             deadline = timeouts.deadline_of(timeout)
             done = restart(supervisor, rejoin=self.rejoin, grace=self.grace,
                            timeout=timeout, last_seq=last_seq, other=other)
-            session, replayed = queue.engine.session, ""
+            session, replayed = queue.session, ""
             if session is not None:  # every rank restores the snapshot; the calls since
                 path.ranks = supervisor.ranks
                 session.renewed(done.replaced + done.taken)

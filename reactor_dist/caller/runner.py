@@ -314,7 +314,7 @@ class DistributedRunner:
         stats = self._timings.stats(reset)
         stats.restarts = self._restarts.count
         stats.spares_ready, stats.spare_takeovers = self.spares_ready, self.spare_takeovers
-        session = self._queue.engine.session
+        session = self._queue.session
         if session is not None:
             stats.snapshots, stats.replayed = session.snapshots, session.replayed
             stats.replay_differences = session.differences
@@ -345,7 +345,7 @@ class DistributedRunner:
                 self._lifecycle_ended("start", began, exc)
                 raise
             queue.open()
-            if queue.engine.session is not None:
+            if queue.session is not None:
                 try:
                     queue.first_snapshot(self.call_timeout)
                 except BaseException as exc:

@@ -40,7 +40,8 @@ from .. import timeouts
 from ..shm import segments
 from ..wire.protocol import Field, Kind, Method, Status, segments_of, snapshot_tag
 from .calls import SESSION, Call, CallPath, Command
-from .outcome import judge
+from .engine import HEALTHY, Do, Engine
+from .timings import Recorder
 
 log = logging.getLogger("reactor_dist")
 WAIT = 0.1  # seconds: the longest one receive of the replay lasts
@@ -165,35 +166,43 @@ class Session:
 
     def replay(self, path: CallPath, deadline: float,
                other: Callable[[dict[str, Any]], None]) -> float:
-        """Every rank restores the snapshot, then the journal's calls run again in order (their
-        results discarded): raises what broke it (a failed restart).  Its seconds."""
+        """Every rank restores the snapshot, then the journal's calls run again in order
+        (their results discarded), fed to an engine of their own, which judges them as
+        it judges every call: raises what broke it (a failed restart).  Its seconds."""
         began = time.monotonic()
         assert self.snapshot is not None
+        timings = Recorder(self.world_size)
+        timings.enabled = False
+        engine = Engine(self.world_size, len(self.journal) + 1, timings)
+        engine.open(path)
         states, body = [], []
         for descriptors, frames in self.snapshot.states:
             states.append([len(body), len(frames), descriptors])
             body.extend(frames)
         calls = [Call(path.send_numbered({Field.KIND: Kind.CALL, Field.METHOD: Method.RESTORE,
-                                    Field.STATES: states}, body, None, False, Method.RESTORE),
-                      Method.RESTORE, None)]
+                                          Field.STATES: states}, body, None, False,
+                                         Method.RESTORE), Method.RESTORE, None)]
         for entry in self.journal:
             seq = path.send_again(entry.command, behind=True)
             calls.append(Call(seq, entry.command.method, entry.command.timeout))
+        entries = [None, *self.journal]
         for call in calls:
             call.left = True  # rank 0's results go back unread
-        by_seq = {call.seq: (call, entry) for call, entry in
-                  zip(calls, [None, *self.journal], strict=True)}
-        head = 0
-        clock = time.monotonic()  # when the head call started
-        while head < len(calls):
+            engine.sent(call, None, time.monotonic(), None)
+        judged = 0
+        while True:
+            while judged < len(calls) and calls[judged].done:
+                self.judge_replay(calls[judged], entries[judged], engine)
+                judged += 1
+            if judged == len(calls):
+                break
             if path.answered_due:  # a full pipe refused it: tried again each turn
                 path.tell_answered()
-            call = calls[head]
-            limit = deadline if call.timeout is None else min(deadline, clock + call.timeout)
+            call = calls[judged]
+            limit = deadline if call.deadline is None else min(deadline, call.deadline)
             now = time.monotonic()
             if now >= limit:
-                silent = [r for r in range(self.world_size) if r not in call.replies]
-                raise path.supervisor.timed_out(silent, call.timeout,
+                raise path.supervisor.timed_out(engine.busy(), call.timeout,
                                                 f"the replay of {call.what}", call.replies)
             message = path.receive(timeouts.wait_ms(min(limit - now, WAIT)))
             if message is None:
@@ -204,34 +213,29 @@ class Session:
                 dead = path.supervisor.dead_of(header)
                 if dead is not None:
                     raise path.supervisor.crashed(dead, f"the replay of {call.what}")
-                continue
-            if kind not in (Kind.REPLY, Kind.ITEM) or header[Field.SEQ] not in by_seq:
+            elif kind in (Kind.REPLY, Kind.ITEM) and header[Field.SEQ] in engine.by_seq:
+                engine.feed(message, time.monotonic())
+                while engine.todo:  # the engine's log line: the failed restart logs instead
+                    do, arg = engine.todo.popleft()
+                    if do is Do.TELL_ANSWERED:
+                        path.owe_answered(arg)  # kept owed by a full pipe: tried again above
+                    elif do is Do.TAKE_OUTPUT:
+                        path.supervisor.take_output()
+            else:
                 other(header)
-                continue
-            if kind == Kind.ITEM:
-                path.discard(header)
-                continue
-            by_seq[header[Field.SEQ]][0].replies.setdefault(header[Field.RANK], message)
-            while head < len(calls) and len(calls[head].replies) == self.world_size:
-                self.judge_replay(calls[head], by_seq[calls[head].seq][1], path)
-                head, clock = head + 1, time.monotonic()
         self.replayed += len(calls) - 1
         return time.monotonic() - began
 
-    def judge_replay(self, call: Call, entry: Entry | None, path: CallPath) -> None:
-        """One call of the replay is answered: a rank that raised where it must not
-        fails the restart; rank 0's digest is compared with the first run's."""
-        replies = call.replies
-        digest = replies[0][0].get(Field.DIGEST)
-        verdict = judge(call.method, path.outcomes(call))
-        path.owe_answered(call)  # kept owed by a full pipe: the replay's loop tries again
-        if verdict.breaks or (entry is None and verdict.error is not None):
-            error = verdict.error
-            assert error is not None
+    def judge_replay(self, call: Call, entry: Entry | None, engine: Engine) -> None:
+        """One call of the replay is answered: a rank that raised where it must not (a
+        desync anywhere, any error in restore()) fails the restart; rank 0's digest is
+        compared with the first run's."""
+        error = call.error
+        if error is not None and (entry is None or engine.state is not HEALTHY):
             what = "restore()" if entry is None else f"the replay of {entry.what}"
             error.args = (f"{error} (in {what} after the restart)",) if error.args else ()
             raise error
-        if entry is not None and digest != entry.digest:
+        if entry is not None and call.replies[0][0].get(Field.DIGEST) != entry.digest:
             self.differences += 1
             log.warning("the replay of %s after the restart gave rank 0 another result than "
                         "the first run: the model is not deterministic (the session goes on "
