@@ -38,6 +38,16 @@ def shown_environ(pid: int) -> dict[str, str]:
     return psutil.Process(pid).environ()
 
 
+def app_lines(tmp_path, source: str) -> list[str]:
+    """Run ``source`` as an application's own script; what it printed, line by line."""
+    script = tmp_path / "app.py"
+    script.write_text(source)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
 def test_the_ranks_of_a_group_are_forked_children_made_as_spawned_ones(runner_for):
     with runner_for(Echo, world_size=2, init_process_group=True,
                     env={"TEMPLATE_TEST_VALUE": "mine"}) as runner:
@@ -175,12 +185,8 @@ FORKED_APP = textwrap.dedent("""
 
 
 def test_a_forked_application_starts_its_own_template_and_its_parent_keeps_its(tmp_path):
-    script = tmp_path / "app.py"
-    script.write_text(FORKED_APP.format(tests=TESTS))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["0 2 1", "0 3 True"]
+    lines = app_lines(tmp_path, FORKED_APP.format(tests=TESTS))
+    assert lines == ["0 2 1", "0 3 True"]
 
 
 def test_an_interrupted_fork_keeps_the_template_in_step_and_its_rank_is_reaped(
@@ -267,12 +273,8 @@ SUBREAPER_APP = textwrap.dedent("""
 
 
 def test_an_application_that_is_a_subreaper_stays_one(tmp_path):
-    script = tmp_path / "app.py"
-    script.write_text(SUBREAPER_APP.format(tests=TESTS))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["1 True"]
+    lines = app_lines(tmp_path, SUBREAPER_APP.format(tests=TESTS))
+    assert lines == ["1 True"]
 
 
 IDLE_APP = textwrap.dedent("""
@@ -304,12 +306,8 @@ IDLE_APP = textwrap.dedent("""
 
 
 def test_the_template_ends_once_no_runner_used_it_for_a_while(tmp_path):
-    script = tmp_path / "app.py"
-    script.write_text(IDLE_APP.format(tests=TESTS, idle=1.0))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    first, reused, idle, closed = out.stdout.splitlines()
+    lines = app_lines(tmp_path, IDLE_APP.format(tests=TESTS, idle=1.0))
+    first, reused, idle, closed = lines
     # Within the idle time, and while a runner is started, the same template serves.
     assert reused == "True True"
     assert idle == "[]"  # ended after 1 s without a runner
@@ -319,8 +317,7 @@ def test_the_template_ends_once_no_runner_used_it_for_a_while(tmp_path):
 
 
 def test_with_no_idle_time_the_template_ends_with_the_last_runner(tmp_path):
-    script = tmp_path / "app.py"
-    script.write_text(textwrap.dedent(f"""
+    lines = app_lines(tmp_path, textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {TESTS!r})
         from sample_workers import Echo
@@ -334,10 +331,7 @@ def test_with_no_idle_time_the_template_ends_with_the_last_runner(tmp_path):
                 print(*Template.pids(), flush=True)
             print(sorted(Template.pids()), flush=True)
     """))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    during, after = out.stdout.splitlines()
+    during, after = lines
     assert len(during.split()) == 1 and after == "[]"
     assert wait_gone([int(during)], timeout=5.0) == []
 
