@@ -135,8 +135,6 @@ class Journal(Protocol):
     """What the engine asks of a session (session.Session, snapshot_every=): it keeps
     what every answered call leaves, and says when a snapshot is due."""
 
-    every: int
-
     def due(self, call: Call) -> bool:
         """``call`` was sent: whether a SNAPSHOT goes right behind it."""
 

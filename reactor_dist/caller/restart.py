@@ -175,7 +175,7 @@ class Restarts:
             if session is not None:  # every rank restores the snapshot; the calls since
                 path.ranks = supervisor.ranks
                 session.renewed(done.replaced + done.taken)
-                kept, seconds = len(session.journal), session.replay(path, deadline, other)
+                kept, seconds = len(session.journal), session.replay(path, deadline)
                 done = done._replace(seconds=done.seconds + seconds)
                 replayed = (f"; every rank restored the snapshot and ran the {kept} call"
                             f"{'s' * (kept != 1)} since it again")

@@ -33,8 +33,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from .. import timeouts
 from ..shm import segments
@@ -164,11 +163,12 @@ class Session:
                                 keep[rank])
             self.orphans |= keep[rank]
 
-    def replay(self, path: CallPath, deadline: float,
-               other: Callable[[dict[str, Any]], None]) -> float:
+    def replay(self, path: CallPath, deadline: float) -> float:
         """Every rank restores the snapshot, then the journal's calls run again in order
         (their results discarded), fed to an engine of their own, which judges them as
-        it judges every call: raises what broke it (a failed restart).  Its seconds."""
+        it judges every call: raises what broke it (a failed restart).  Its seconds.
+        A message of another call (one that failed) is discarded: ``path.receive``
+        applied its ledger fields already, once."""
         began = time.monotonic()
         assert self.snapshot is not None
         timings = Recorder(self.world_size)
@@ -222,7 +222,7 @@ class Session:
                     elif do is Do.TAKE_OUTPUT:
                         path.supervisor.take_output()
             else:
-                other(header)
+                path.discard(header)
         self.replayed += len(calls) - 1
         return time.monotonic() - began
 
