@@ -128,6 +128,54 @@ def test_the_ring_entry_cost_diagnostics_ring_has_no_file_once_mapped():
         ring.mm.close()
 
 
+def test_every_form_of_entry_reads_back_as_written_and_the_ring_keeps_the_newest():
+    """The one-pack path (one tensor, every rank) and the whole one (no tensor, two, a
+    list, a subgroup, a peer, more dims than kept, a size past 32 bits) read back as
+    written; past SLOTS entries the oldest go, and the count a writer mapping the ring
+    again (a spare that took the rank's place) goes on from is the entries'."""
+    from benchmarks.ring_entry_cost import mapped_ring
+
+    code = collective_ring.KIND_CODE
+    ring = mapped_ring()
+    try:
+        ring.begin(3)
+        assert ring.enter_one(code["all_reduce"], 1, (4, 5)) == 0
+        ring.mark(0, collective_ring.LEFT)
+        ring.enter_one(code["broadcast"], 4, ())  # a 0-dim tensor
+        ring.enter_one(code["all_reduce"], 1, tuple(range(1, 11)))  # 10 dims: none kept
+        ring.enter_one(code["all_reduce"], 1, (2**33, 2))  # past 32 bits: "huge"
+        ring.enter(code["barrier"], [], (0, ()))
+        ring.enter(code["all_gather"], [(1, (4,), 3), (1, (12,), 0)], (0, ()))
+        ring.enter(code["all_reduce"], [(2, (8,), 0)],
+                   collective_ring.group_key(range(1, 11), 16))
+        ring.enter(code["send"], [(1, (4,), 0)], (0, ()), peer=1)
+        entries = collective_ring.read(ring.mm[:])
+        got = [(e.seq, e.index, e.number, e.state, e.kind, e.shapes, e.group, e.peer)
+               for e in entries]
+        assert got == [
+            (3, 1, 1, collective_ring.LEFT, "all_reduce", "[4, 5] float32", (), -1),
+            (3, 2, 1, collective_ring.IN, "broadcast", "[] bfloat16", (), -1),
+            (3, 3, 2, collective_ring.IN, "all_reduce", "[?] float32", (), -1),
+            (3, 4, 3, collective_ring.IN, "all_reduce", "[huge, 2] float32", (), -1),
+            (3, 5, 1, collective_ring.IN, "barrier", "no tensor", (), -1),
+            (3, 6, 1, collective_ring.IN, "all_gather",
+             "3 x [4] float32, [12] float32", (), -1),
+            (3, 1, 4, collective_ring.IN, "all_reduce", "[8] float64",
+             (1, 2, 3, 4, 5, 6, 7, 8), -1),
+            (3, 7, 1, collective_ring.IN, "send", "[4] float32", (), 1)]
+        for n in range(len(entries), collective_ring.SLOTS + 5):
+            ring.enter_one(code["all_reduce"], 1, (n,))
+        entries = collective_ring.read(ring.mm[:])
+        assert len(entries) == collective_ring.SLOTS
+        assert entries[0].kind == "all_gather"  # entries 0 to 4 overwritten
+        assert [e.shapes for e in entries[3:4] + entries[-1:]] == [
+            "[8] float32", f"[{collective_ring.SLOTS + 4}] float32"]
+        # what a writer mapping it again starts from
+        assert collective_ring.written(ring.mm) == ring.count == collective_ring.SLOTS + 5
+    finally:
+        ring.mm.close()
+
+
 def entry(seq: int, index: int, kind: str, state: int, shape: tuple[int, ...] = (4,),
           dtype: str = "float32", group: tuple[int, ...] = (), number: int | None = None
           ) -> Entry:

@@ -160,12 +160,27 @@ class Recorded:
         peer = next((p for p in params if p in PEER_PARAMS), None)
         self.peer = (params.index(peer), peer) if peer and name in \
             ring_layout.POINT_TO_POINT else None
+        # one tensor, no peer: the common case, recorded by a shorter path (:meth:`enter`)
+        self.one = self.tensors[0] if len(self.tensors) == 1 and self.peer is None else None
 
     def enter(self, ring: ring_layout.Writer, waits: CollectiveWaits, args: tuple,
               kwargs: dict) -> int:
         """The collective's entry in the ring; -1 where its arguments are of a form the
         entry cannot hold (recording never breaks a collective)."""
         try:
+            one = self.one
+            if one is not None:  # a tensor (not a list) for every rank's group
+                at, name = one
+                tensor = args[at] if at < len(args) else kwargs.get(name)
+                group = self.group
+                if group is not None:
+                    at, name = group
+                    group = args[at] if at < len(args) else kwargs.get(name)
+                if group is None and type(tensor) is not list:
+                    shape = getattr(tensor, "shape", None)
+                    if shape is not None:
+                        return ring.enter_one(self.kind, DTYPE_CODE.get(tensor.dtype, 0),
+                                              shape)
             return self.record(ring, waits, args, kwargs)
         except Exception:
             return -1
@@ -176,22 +191,24 @@ class Recorded:
         for at, name in self.tensors:
             value = args[at] if at < len(args) else kwargs.get(name)
             listed = 0
-            if isinstance(value, (list, tuple)):
+            if type(value) is list or isinstance(value, (list, tuple)):
                 listed = len(value)
                 value = value[0] if value else None
             shape = getattr(value, "shape", None)
-            if shape is not None and len(tensors) < ring_layout.TENSORS:
+            if shape is not None:
                 tensors.append((DTYPE_CODE.get(value.dtype, 0), shape, listed))
-        group = None
+        group = (0, ())
         if self.group is not None:
             at, name = self.group
-            group = args[at] if at < len(args) else kwargs.get(name)
+            given = args[at] if at < len(args) else kwargs.get(name)
+            if given is not None:
+                group = waits.group_key(given)
         peer = -1
         if self.peer is not None:
             at, name = self.peer
             value = args[at] if at < len(args) else kwargs.get(name)
             peer = value if isinstance(value, int) else -1
-        return ring.enter(self.kind, tensors, waits.group_key(group), peer)
+        return ring.enter(self.kind, tensors, group, peer)
 
 
 DTYPE_CODE: dict[Any, int] = {}

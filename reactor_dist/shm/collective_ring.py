@@ -9,10 +9,10 @@ start, removed with the runner's other entries).  The caller maps them all and r
 them while a rank hangs, and after it died, with no help from the rank; :func:`report`
 compares the ranks' entries of one call and says what differs in one line.
 
-Layout: a header of :data:`ENTRY` bytes (magic, slots, entries written so far, the call
-the rank began last), then
-:data:`SLOTS` entries of :data:`ENTRY` bytes; entry ``n`` lives in slot ``n % SLOTS``.
-The rank writes an entry whole, then bumps the count; leaving is one byte (its state).
+Layout: a header of :data:`ENTRY` bytes (magic, version, slots, the call the rank began
+last), then :data:`SLOTS` entries of :data:`ENTRY` bytes; entry ``n`` lives in slot
+``n % SLOTS`` and ends with ``n + 1``, written last (so a reader finds the newest entry,
+and only whole ones, with nothing else to write); leaving is one byte (its state).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 MAGIC = 0x52444352  # "RDCR"
+VERSION = 2
 SLOTS = 256  # entries kept per rank: the calls a report can look back over
 ENTRY = 128
 SIZE = ENTRY * (SLOTS + 1)
-HEAD = struct.Struct("<IHHIQ")  # magic, version, entry size, slots, entries written
-COUNT_AT = 12
-BEGUN_AT = 20  # the seq of the call the rank began last (u32; 0: none yet)
+HEAD = struct.Struct("<IHHI")  # magic, version, entry size, slots
+BEGUN_AT = 16  # the seq of the call the rank began last (u32; 0: none yet)
 BEGUN = struct.Struct("<I")
 # seq, index (in its group, within the call), number (of its kind, within the call),
 # state, kind, tensors recorded, group size (0: every rank), group hash (0: every rank),
@@ -42,10 +42,14 @@ GROUP = struct.Struct("<8H")
 TENSOR_AT, TENSORS, DIMS = 48, 2, 8
 TENSOR = struct.Struct("<BBH8I")  # dtype, dims, list length (0: one tensor), sizes
 STATE_AT = 8
-# An entry and its first tensor in one pack (the group's place zeroed: every rank's)
-FIRST = struct.Struct("<IHHBBBBIdi4x16xBBH8I")
-COUNT = struct.Struct("<Q")
-NO_DIMS = (0,) * DIMS
+# The entry's place among all the rank wrote (n + 1; 0: an empty slot), written last:
+# a reader sees an entry's number only once the entry is whole
+ORDINAL_AT = ENTRY - 8
+ORDINAL = struct.Struct("<Q")
+# The common entry in one pack, its number last: the fixed part (the group's place
+# zeroed: every rank's) and one tensor of n dims (n = 0..DIMS; none read past its dims)
+ONE_TENSOR = tuple(struct.Struct(f"<IHHBBBBIdi4x16xBBH{n}I{ORDINAL_AT - TENSOR_AT - 4 - 4 * n}xQ")
+                   for n in range(DIMS + 1))
 
 EMPTY, IN, QUEUED, WAITING, LEFT, RAISED = range(6)
 BIG = 0xFFFFFFFF  # a size that does not fit: shown as "huge"
@@ -82,11 +86,13 @@ def ring_name(prefix: str, rank: int) -> str:
 
 def fresh(buffer: mmap.mmap) -> None:
     """Write an empty ring's header (the caller, before the ranks start)."""
-    HEAD.pack_into(buffer, 0, MAGIC, 1, ENTRY, SLOTS, 0)
+    HEAD.pack_into(buffer, 0, MAGIC, VERSION, ENTRY, SLOTS)
 
 
 class Writer:
-    """A rank's side: enter a collective (an entry), then mark its state in one byte."""
+    """A rank's side: enter a collective (an entry), then mark its state in one byte.
+    It runs before every collective, where the cache and TLB are cold after the wait
+    before it: the common entry is one ``pack_into`` into one page (:meth:`enter_one`)."""
 
     def __init__(self, path: str) -> None:
         fd = os.open(path, os.O_RDWR)
@@ -94,53 +100,63 @@ class Writer:
             self.mm = mmap.mmap(fd, SIZE, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
-        magic, _, _, _, self.count = HEAD.unpack_from(self.mm, 0)
-        if magic != MAGIC:
+        magic, version, _, _ = HEAD.unpack_from(self.mm, 0)
+        if magic != MAGIC or version != VERSION:
             raise ValueError(path)  # not a ring: install() records nothing, says nothing
+        self.count = written(self.mm)  # a spare that took a rank's place goes on from it
         self.seq = 0
-        self.index: dict[int, int] = {}  # per group hash: collectives so far in this call
-        self.number: dict[int, int] = {}  # per kind: collectives so far in this call
+        self.index = 0  # collectives of every rank's group so far in this call
+        self.indexes: dict[int, int] = {}  # per subgroup's hash: the same
+        self.numbers = [0] * len(KINDS)  # per kind: collectives so far in this call
 
     def begin(self, seq: int) -> None:
         """A call begins: its collectives are numbered from 1, and the caller can tell
         that the calls before it ran to their end here (:func:`begun`)."""
         self.seq = seq
         BEGUN.pack_into(self.mm, BEGUN_AT, seq & 0xFFFFFFFF)
-        self.index.clear()
-        self.number.clear()
+        self.index = 0
+        self.indexes.clear()
+        self.numbers = [0] * len(KINDS)
+
+    def enter_one(self, kind: int, dtype: int, shape: Sequence[int]) -> int:
+        """The common collective entered: one tensor, every rank's group, no peer; the
+        entry's number (:meth:`enter` for any other)."""
+        n = self.count
+        index, number = self.index + 1, self.numbers[kind] + 1
+        try:
+            ONE_TENSOR[len(shape)].pack_into(
+                self.mm, ENTRY * (1 + n % SLOTS), self.seq, index & 0xFFFF, number & 0xFFFF,
+                IN, kind, 1, 0, 0, time.monotonic(), -1, dtype, len(shape), 0, *shape, n + 1)
+        except (struct.error, IndexError):  # a size past 32 bits, more than DIMS dims
+            return self.enter(kind, [(dtype, shape, 0)], (0, ()))
+        self.index, self.numbers[kind], self.count = index, number, n + 1
+        return n
 
     def enter(self, kind: int, tensors: Sequence, group: tuple[int, tuple[int, ...]],
               peer: int = -1) -> int:
-        """One collective entered: its entry written whole; the entry's number."""
+        """Any collective entered: ``tensors`` are (dtype code, shape, list length) of
+        its tensor arguments (two kept; a size past 32 bits written as BIG, more than
+        DIMS dims as none); the entry's number."""
         n = self.count
         at = ENTRY * (1 + n % SLOTS)
-        mm = self.mm
         ghash, granks = group
-        index = self.index[ghash] = self.index.get(ghash, 0) + 1
-        number = self.number[kind] = self.number.get(kind, 0) + 1
-        head = (self.seq, index & 0xFFFF, number & 0xFFFF, IN, kind, len(tensors),
-                len(granks), ghash, time.monotonic(), peer)
-        try:
-            if tensors:  # the common case in one pack: the entry and its first tensor
-                dtype, shape, listed = tensors[0]
-                FIRST.pack_into(mm, at, *head, dtype, len(shape), listed,
-                                *(tuple(shape) + NO_DIMS)[:DIMS])
-                for i in range(1, len(tensors)):
-                    dtype, shape, listed = tensors[i]
-                    TENSOR.pack_into(mm, at + TENSOR_AT + i * TENSOR.size, dtype, len(shape),
-                                     listed, *(tuple(shape) + NO_DIMS)[:DIMS])
-            else:
-                FIXED.pack_into(mm, at, *head)
-        except struct.error:  # a size past 32 bits: written as BIG
-            FIXED.pack_into(mm, at, *head)
-            for i, (dtype, shape, listed) in enumerate(tensors):
-                dims = [min(int(d), BIG) for d in shape[:DIMS]]
-                TENSOR.pack_into(mm, at + TENSOR_AT + i * TENSOR.size, dtype, len(shape),
-                                 listed, *dims, *(0,) * (DIMS - len(dims)))
-        if granks:
-            GROUP.pack_into(mm, at + GROUP_AT, *(granks + (0xFFFF,) * GROUP_RANKS)[:GROUP_RANKS])
+        if ghash:
+            index = self.indexes[ghash] = self.indexes.get(ghash, 0) + 1
+        else:
+            index = self.index = self.index + 1
+        number = self.numbers[kind] = self.numbers[kind] + 1
+        tensors = tensors[:TENSORS]
+        FIXED.pack_into(self.mm, at, self.seq, index & 0xFFFF, number & 0xFFFF, IN, kind,
+                        len(tensors), min(len(granks), 0xFF), ghash, time.monotonic(), peer)
+        GROUP.pack_into(self.mm, at + GROUP_AT,
+                        *(tuple(granks[:GROUP_RANKS]) + (0xFFFF,) * GROUP_RANKS)[:GROUP_RANKS])
+        for i, (dtype, shape, listed) in enumerate(tensors):
+            dims = [min(int(d), BIG) for d in shape[:DIMS]]
+            TENSOR.pack_into(self.mm, at + TENSOR_AT + i * TENSOR.size, dtype,
+                             min(len(shape), 0xFF), listed & 0xFFFF, *dims,
+                             *(0,) * (DIMS - len(dims)))
+        ORDINAL.pack_into(self.mm, at + ORDINAL_AT, n + 1)
         self.count = n + 1
-        COUNT.pack_into(mm, COUNT_AT, n + 1)
         return n
 
     def mark(self, n: int, state: int) -> None:
@@ -192,15 +208,24 @@ def begun(buffer: mmap.mmap | bytes) -> int:
     return BEGUN.unpack_from(buffer, BEGUN_AT)[0] if magic == MAGIC else 0
 
 
+def written(buffer: mmap.mmap | bytes) -> int:
+    """How many entries the rank has written (the newest entry's number + 1)."""
+    return max((ORDINAL.unpack_from(buffer, ENTRY * (1 + slot) + ORDINAL_AT)[0]
+                for slot in range(SLOTS)), default=0)
+
+
 def read(buffer: mmap.mmap | bytes) -> list[Entry]:
     """Every entry a ring holds, oldest first (the caller's side; no lock: a rank that
     writes meanwhile is running, and its last entry may be half new)."""
-    magic, _, size, slots, count = HEAD.unpack_from(buffer, 0)
-    if magic != MAGIC or size != ENTRY or slots != SLOTS:
+    magic, version, size, slots = HEAD.unpack_from(buffer, 0)
+    if magic != MAGIC or version != VERSION or size != ENTRY or slots != SLOTS:
         return []
+    count = written(buffer)
     entries = []
     for n in range(max(0, count - SLOTS), count):
         at = ENTRY * (1 + n % SLOTS)
+        if ORDINAL.unpack_from(buffer, at + ORDINAL_AT)[0] != n + 1:
+            continue  # being rewritten
         seq, index, number, state, kind, ntensors, gsize, ghash, entered, peer = \
             FIXED.unpack_from(buffer, at)
         group = tuple(r for r in GROUP.unpack_from(buffer, at + GROUP_AT)[:gsize]
