@@ -111,6 +111,25 @@ def test_each_rank_has_a_ring_in_dev_shm_while_started_and_none_after():
     assert not [n for n in os.listdir("/dev/shm") if ".coll" in n and str(os.getpid()) in n]
 
 
+def test_record_collectives_false_makes_no_ring_and_a_failure_names_no_collective():
+    """The off switch: no ring in /dev/shm, the ranks record nothing, and a skipped
+    collective is the plain timeout (its stacks still show where each rank waits)."""
+    with pytest.raises(ValueError, match=r"record_collectives must be True or False, got 1"):
+        DistributedRunner(Collectives, world_size=2, device="cpu", record_collectives=1)
+    with DistributedRunner(Collectives, world_size=2, device="cpu", call_timeout=3.0,
+                           shutdown_grace=1.0, record_collectives=False) as runner:
+        assert runner.generate("ok") == 16
+        assert not [n for n in os.listdir("/dev/shm") if ".coll" in n and
+                    str(os.getpid()) in n]
+        with pytest.raises(WorkerTimeout) as caught:
+            runner.generate("skip")
+    text = str(caught.value)
+    assert text.split("\n")[0].startswith("no answer from rank 0 within 3 s during "
+                                          "generate() (call 2)")
+    assert "the ranks' collectives" not in text and "all_reduce" in text  # rank 0's stack
+    assert [f.collective for f in caught.value.failures] == [None]
+
+
 def test_the_ring_entry_cost_diagnostics_ring_has_no_file_once_mapped():
     """benchmarks.ring_entry_cost's ring: written through its mapping, its /dev/shm file
     already gone, so that no way of ending the diagnostic leaves one behind."""

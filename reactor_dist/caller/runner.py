@@ -131,6 +131,10 @@ class DistributedRunner:
         (``cudaHostRegister``) at most: rank 0's result segments, which its CUDA tensors
         are copied into at the GPU's speed, and the inputs :meth:`DistributedWorker.to_device`
         copies from (default 2 GiB; 0: none, every copy through plain memory).
+    :param record_collectives: each rank records the collectives it enters in a ring in
+        /dev/shm, which the runner reads when a call fails to say which collective each
+        rank is in and what differs (docs: Errors and recovery).  False saves a rank a
+        few µs a collective; a failure then names no collective.
     """
 
     def __init__(self, worker_cls: type, *, world_size: int = 1,
@@ -143,7 +147,8 @@ class DistributedRunner:
                  placement: str = "local", ray_bundle: dict[str, float] | None = None,
                  ray_strategy: str = "PACK", max_in_flight: int = 2, max_restarts: int = 0,
                  restart_window: float = 600.0, spares: int = 0, snapshot_every: int = 0,
-                 retry_failed: bool = False, pinned_limit: int = PINNED_LIMIT) -> None:
+                 retry_failed: bool = False, pinned_limit: int = PINNED_LIMIT,
+                 record_collectives: bool = True) -> None:
         check_not_rerunning_main()  # a rank re-running a script without its __main__ guard
         self._world_size = check_world_size(world_size)
         check_methods(worker_cls)
@@ -159,6 +164,9 @@ class DistributedRunner:
                 or pinned_limit < 0:
             raise ValueError(f"pinned_limit must be an int >= 0 (bytes of shared memory a "
                              f"CUDA rank keeps page-locked; 0: none), got {pinned_limit!r}")
+        if not isinstance(record_collectives, bool):
+            raise ValueError(f"record_collectives must be True or False, got "
+                             f"{record_collectives!r}")
         window = _check_timeout("restart_window", restart_window)
         if window is None:
             raise ValueError("restart_window must be a number of seconds, not None")
@@ -187,7 +195,7 @@ class DistributedRunner:
             placement=where_ranks_run, shm_dir=shm_dir, keep_free=keep_free_segments,
             start_timeout=self.start_timeout, call_timeout=self.call_timeout,
             shutdown_grace=check_grace(shutdown_grace), spares=spares,
-            pinned_limit=pinned_limit)
+            pinned_limit=pinned_limit, record_collectives=record_collectives)
         self._timings = Recorder(world_size)
         session = Session(snapshot_every, world_size, shm_dir, self._supervisor.shm_prefix) \
             if snapshot_every else None

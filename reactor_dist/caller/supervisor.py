@@ -106,7 +106,8 @@ class Supervisor:
                  init_process_group: bool, device: str, placement: Placement,
                  shm_dir: str, keep_free: int, start_timeout: float | None,
                  shutdown_grace: float, call_timeout: float | None = 30.0,
-                 spares: int = 0, pinned_limit: int = PINNED_LIMIT) -> None:
+                 spares: int = 0, pinned_limit: int = PINNED_LIMIT,
+                 record_collectives: bool = True) -> None:
         self.world_size = world_size
         self.placement = placement  # where the ranks run (ray_group.placement_for)
         self.secret = os.urandom(SECRET_SIZE)
@@ -133,6 +134,7 @@ class Supervisor:
         self.display: Display | None = None  # start()'s progress display
         self._worker, self._load_kwargs = worker, pickle.dumps(load_kwargs, protocol=5)
         self.forms_group = init_process_group  # the runner forms its own torch group
+        self.record_collectives = record_collectives  # the ranks get collective rings
         self._device = device
         self._start_timeout, self._keep_free = start_timeout, keep_free
         self._pinned_limit = pinned_limit
@@ -378,7 +380,8 @@ class Supervisor:
     def make_rings(self) -> None:
         """Each rank's collective ring, before the ranks start: the caller makes and maps
         them, so that it reads them after a rank died (collective_ring)."""
-        if self.rings or self.world_size < 2 or not self.forms_group:
+        if self.rings or self.world_size < 2 or not self.forms_group or \
+                not self.record_collectives:
             return
         for rank in range(self.world_size):
             segment = segments.Segment.create(self.shm_dir,
