@@ -62,7 +62,9 @@ def bookkeeping_ns(world_size: int, iterations: int = 200_000) -> float:
 
 class AllReduceOnce(DistributedWorker):
     """One all_reduce of a 1-element CPU tensor per call: through the timed wrapper
-    (``generate(True)``) or through the function it wraps (``generate(False)``)."""
+    (``generate(True)``) or through the function it wraps (``generate(False)``).  The
+    rank's collective ring is set aside in both: its cost has rows of its own
+    (benchmarks/families/collective_ring.py)."""
 
     def load(self) -> None:
         import torch
@@ -72,8 +74,16 @@ class AllReduceOnce(DistributedWorker):
     def generate(self, timed: bool, /) -> None:
         import torch.distributed as dist
 
-        fn = dist.all_reduce if timed else dist.all_reduce.__reactor_dist_untimed__
-        fn(self.tensor)
+        from reactor_dist.rank import collective_wait
+
+        waits = collective_wait._installed  # the rank's own, installed with its group
+        assert waits is not None
+        ring, waits.ring = waits.ring, None
+        try:
+            fn = dist.all_reduce if timed else dist.all_reduce.__reactor_dist_untimed__
+            fn(self.tensor)
+        finally:
+            waits.ring = ring
 
 
 def waits_bookkeeping_ns(world_size: int, iterations: int = 200_000) -> float:

@@ -1,8 +1,8 @@
 """What the collective rings cost (:mod:`reactor_dist.shm.collective_ring`, issue 45): a
 2-rank runner with its gloo group whose ``generate`` makes two ``all_reduce`` calls,
 each rank recording them in its ring or not (the ring set aside for the call), timed in
-alternating blocks of one call in the same run.  Target: ≤ 2 % of the call, the median
-of the pairs' differences.
+pairs of one call each, in an order drawn per pair, in the same run.  Target: ≤ 2 % of
+the call, the median of the pairs' differences.
 
 Two calls: one whose collectives each move a layer's activations (1 MB), and the worst
 case, one float each, where the call is nothing but the collectives' latency.  There the
@@ -12,11 +12,9 @@ a wait, with the rank's caches and TLB cold (docs/design/observability-and-place
 
 from __future__ import annotations
 
-import numpy as np
-
 from benchmarks.config import Settings
 from benchmarks.report.results import Results, Row
-from benchmarks.report.stats import Stats, on_and_off
+from benchmarks.report.stats import median_pair_difference, on_and_off
 from reactor_dist import DistributedWorker
 
 WORLD_SIZE = 2
@@ -67,20 +65,11 @@ CASES = (  # config, worker, what its row says
 
 def measure(settings: Settings, results: Results) -> None:
     for config, worker, _ in CASES:
-        # blocks of one call, the order flipping every call: a gloo all_reduce of 1 MB
-        # keeps one of two speeds here (2 or 4 ms) for hundreds of calls, and longer
-        # blocks fold that into the difference
+        # in pairs of one call: a gloo all_reduce of 1 MB keeps one of two speeds here
+        # (2 or 4 ms) for hundreds of calls, which blocks fold into the difference
         for key, stats in on_and_off(worker, WORLD_SIZE, ON, OFF, calls=settings.aio_calls,
-                                     warmup=settings.aio_warmup,
-                                     rounds=settings.aio_calls).items():
+                                     warmup=settings.aio_warmup).items():
             results.put(METRIC, f"ws{WORLD_SIZE} {config}", key, stats)
-
-
-def paired_extra(on: Stats, off: Stats) -> float:
-    """The median of the per-pair differences (seconds): with blocks of one call, the
-    i-th call of each kind ran side by side, so a speed the machine keeps for a while
-    cancels out of each pair."""
-    return float(np.median(np.subtract(on.samples, off.samples[:len(on.samples)])))
 
 
 def rows(results: Results, settings: Settings) -> list[Row]:
@@ -94,7 +83,7 @@ def rows(results: Results, settings: Settings) -> list[Row]:
                   unit="us", ours=on, floor=off, floor_label="the same call, the ring set aside",
                   target=goal)
         if on is not None and off is not None:
-            extra = paired_extra(on, off)
+            extra = median_pair_difference(on, off)
             share = extra / off.median
             row.target = f"{goal} ({share:+.1%}, {extra * 1e6:+.1f} µs, the median pair)"
             row.met = share <= TARGET

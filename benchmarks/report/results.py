@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from benchmarks.report.stats import Stats, interleave
+from benchmarks.report.stats import Stats, interleave, median_pair_difference
 
 FLOOR = "floor"
 
@@ -65,14 +65,17 @@ class Row:
 
 
 def extra_row(section: str, case: str, ours: Stats | None, without: Stats | None,
-              floor_label: str, target_s: float) -> Row:
+              floor_label: str, target_s: float, *, paired: bool = False) -> Row:
     """A row for what one feature adds per call: ``ours`` against the same runner
-    ``without`` it, judged against ``target_s`` seconds more (the median difference)."""
+    ``without`` it, judged against ``target_s`` seconds more: the difference of the
+    medians, or with ``paired`` (samples in alternating blocks of one call) the median
+    pair's difference (stats.median_pair_difference)."""
     goal = f"≤ +{target_s * 1e6:g} µs"
     row = Row(section=section, case=case, unit="us", ours=ours, floor=without,
               floor_label=floor_label, target=goal)
     if ours is not None and without is not None:
-        extra = ours.median - without.median
-        row.target = f"{goal} ({extra * 1e6:+.1f} µs)"
+        extra = median_pair_difference(ours, without) if paired else \
+            ours.median - without.median
+        row.target = f"{goal} ({extra * 1e6:+.1f} µs{', the median pair' if paired else ''})"
         row.met = extra <= target_s
     return row

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -67,6 +68,36 @@ def alternate_blocks(blocks: dict[str, Callable[[int, list[float]], None]], *, c
     return samples
 
 
+def paired_calls(fns: dict[str, Callable[[], object]], *, calls: int, warmup: int,
+                 seed: int = 0) -> dict[str, list[float]]:
+    """Samples of two kinds of call in ``calls`` pairs, one of each, in an order drawn
+    per pair (seeded): the i-th sample of each ran next to the other's
+    (:func:`median_pair_difference`).  A fixed order (each first in every other pair, as
+    :func:`alternate_blocks` does) aliases with a period of the runner's own: two
+    identical kinds read +3 to +11 µs apart that way on a ~570 µs call, ±2 µs this way."""
+    (a, fn_a), (b, fn_b) = fns.items()
+    for _ in range(warmup):
+        fn_a()
+        fn_b()
+    gc.collect()
+    samples: dict[str, list[float]] = {a: [], b: []}
+    order = random.Random(seed)
+    for _ in range(calls):
+        pair = ((a, fn_a), (b, fn_b)) if order.random() < 0.5 else ((b, fn_b), (a, fn_a))
+        for key, fn in pair:
+            record_calls(fn, 1, samples[key])
+    return samples
+
+
+def median_pair_difference(ours: Stats, without: Stats) -> float:
+    """The median of ``ours[i] - without[i]`` (seconds), for samples taken in pairs
+    (:func:`paired_calls`): a speed the machine keeps for a while (a gloo transfer's is
+    one of two for hundreds of calls here) cancels out of each pair, where it moves two
+    medians apart."""
+    n = min(ours.n, without.n)
+    return float(np.median(np.subtract(ours.samples[:n], without.samples[:n])))
+
+
 def record_calls(fn: Callable[[], object], count: int, into: list[float]) -> None:
     """Append the seconds each of ``count`` calls of ``fn`` took; each result is dropped
     before the next call."""
@@ -120,21 +151,27 @@ def interleave(
 
 
 def on_and_off(worker_cls: type, world_size: int, on: str, off: str, *, calls: int,
-               warmup: int, rounds: int) -> dict[str, Stats]:
+               warmup: int, rounds: int = 0) -> dict[str, Stats]:
     """A runner of ``worker_cls`` (CPU, its gloo group) whose ``generate(flag)`` runs with
-    a feature (True) or without it (False), timed in alternating blocks: each one's
-    samples, summarised, as ``on`` and ``off``."""
+    a feature (True) or without it (False): each one's samples, summarised, as ``on``
+    and ``off``; timed in ``rounds`` alternating blocks, or with no ``rounds`` in pairs of
+    one call each (:func:`paired_calls`, for :func:`median_pair_difference`)."""
     from reactor_dist import DistributedRunner
 
     runner = DistributedRunner(worker_cls, world_size=world_size, device="cpu",
                                call_timeout=120.0)
     runner.start()
     try:
-        def block(flag: bool) -> Callable[[int, list[float]], None]:
-            return lambda n, into: record_calls(lambda: runner.generate(flag), n, into)
+        if not rounds:
+            samples = paired_calls({on: lambda: runner.generate(True),
+                                    off: lambda: runner.generate(False)},
+                                   calls=calls, warmup=warmup)
+        else:
+            def block(flag: bool) -> Callable[[int, list[float]], None]:
+                return lambda n, into: record_calls(lambda: runner.generate(flag), n, into)
 
-        samples = alternate_blocks({on: block(True), off: block(False)}, calls=calls,
-                                   warmup=warmup, rounds=rounds)
+            samples = alternate_blocks({on: block(True), off: block(False)}, calls=calls,
+                                       warmup=warmup, rounds=rounds)
     finally:
         runner.shutdown()
     return {key: summarize(v) for key, v in samples.items()}
