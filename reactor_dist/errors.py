@@ -251,11 +251,12 @@ def failed_behind(exc: BaseException, what: str, at: str | None) -> BaseExceptio
 
 
 def timeout_error(headline: str, raised: dict[int, tuple[ErrorRecord, bytes | None]],
-                  stacks: str, collectives: Any = None) -> WorkerTimeout:
+                  stacks: str, collectives: Any = None, recorders: str = "") -> WorkerTimeout:
     """A WorkerTimeout whose text and attributes keep what the other ranks did: each
     rank that raised meanwhile (``rank_errors``, the first as ``__cause__``, its message
     and remote traceback in the text); ``collectives`` (a collective_ring.Report): what
-    differs between the ranks' collectives first, and each rank's before the stacks."""
+    differs between the ranks' collectives first, and each rank's before the stacks;
+    ``recorders``: each rank's torch group's flight recorder, a line each, after them."""
     errors = {rank: rebuild_exception(record, data, rank)
               for rank, (record, data) in raised.items()}
     note = ""
@@ -269,6 +270,8 @@ def timeout_error(headline: str, raised: dict[int, tuple[ErrorRecord, bytes | No
     if collectives is not None:
         first = f"{collectives.headline}\n" if collectives.headline else ""
         lines = f"the ranks' collectives:{collectives.text()}\n"
+    if recorders:
+        lines += f"their torch groups' flight recorders:{recorders}\n"
     exc = WorkerTimeout(f"{first}{headline}{note}; the runner is unusable\n{tracebacks}"
                         f"{lines}the silent ranks' stacks:\n{stacks}")
     exc.rank_errors = errors

@@ -44,3 +44,7 @@ class Collectives(DistributedWorker):
         if not (last and case == "skip"):
             dist.all_reduce(x)
         return int(x.sum())
+
+    def environment(self, name: str) -> str | None:
+        """A variable of this rank's environment (what the runner set in it)."""
+        return os.environ.get(name)

@@ -84,12 +84,40 @@ def test_the_error_says_which_collective_differs_and_where_each_rank_is(case, wo
     text = str(error)
     assert text.split("\n")[0] == first_lines[world_size]
     block = text.split("the ranks' collectives:\n", 1)[1].split("\nthe silent", 1)[0]
+    block = block.split("\ntheir torch groups' flight recorders:", 1)[0]
     got = dict(re.findall(r"^  rank (\d+): (.*)$", block, re.M))
     assert sorted(map(int, got)) == list(range(world_size))
     for rank, line in got.items():
         assert re.fullmatch(LINES[case](int(rank), last), line), (rank, line)
     records = {f.rank: f.collective for f in error.failures}
     assert records and all(records[r] == got[str(r)] for r in records)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("case", ["skip", "kind"])
+def test_a_timeout_adds_each_ranks_torch_flight_recorder(case, world_size):
+    """What the process group itself saw, from torch's flight recorder (gloo keeps one
+    too), read by a thread of each rank while its main thread waits in the collective.
+    Call 1 made the group's collectives #1 and #2."""
+    last = world_size - 1
+    with DistributedRunner(Collectives, world_size=world_size, device="cpu",
+                           call_timeout=3.0, shutdown_grace=1.0) as runner:
+        runner.generate("ok")
+        with pytest.raises(WorkerTimeout) as caught:
+            runner.generate(case)
+    block = str(caught.value).split("their torch groups' flight recorders:\n", 1)[1]
+    got = dict(re.findall(r"^  rank (\d+): (.*)$", block.split("\nthe silent", 1)[0], re.M))
+    waiting = "not finished: gloo:all_reduce #4 of group default_pg ([4] Float), scheduled"
+    expected = {
+        "skip": "every one finished; the last: gloo:all_reduce #3 of group default_pg "
+                "([4] Float)",
+        "kind": "not finished: gloo:broadcast #3 of group default_pg ([4] Float), scheduled",
+    }
+    if case == "kind":
+        waiting = waiting.replace("#4", "#3")
+    assert got == {str(r): expected[case] if r == last else waiting
+                   for r in range(world_size)}
+    assert "flight_recorder.py" not in str(caught.value)  # its thread is no stack shown
 
 
 def test_each_rank_has_a_ring_in_dev_shm_while_started_and_none_after():
@@ -112,22 +140,29 @@ def test_each_rank_has_a_ring_in_dev_shm_while_started_and_none_after():
 
 
 def test_record_collectives_false_makes_no_ring_and_a_failure_names_no_collective():
-    """The off switch: no ring in /dev/shm, the ranks record nothing, and a skipped
-    collective is the plain timeout (its stacks still show where each rank waits)."""
+    """The off switch: no ring in /dev/shm, the ranks record nothing (torch's flight
+    recorder neither), and a skipped collective is the plain timeout (its stacks still
+    show where each rank waits); an application's own size for the recorder stays."""
     with pytest.raises(ValueError, match=r"record_collectives must be True or False, got 1"):
         DistributedRunner(Collectives, world_size=2, device="cpu", record_collectives=1)
     with DistributedRunner(Collectives, world_size=2, device="cpu", call_timeout=3.0,
                            shutdown_grace=1.0, record_collectives=False) as runner:
         assert runner.generate("ok") == 16
+        # torch's flight recorder off too (torch 2.13 keeps one by default)
+        assert runner.call_all("environment", "TORCH_FR_BUFFER_SIZE") == ["0", "0"]
         assert not [n for n in os.listdir("/dev/shm") if ".coll" in n and
                     str(os.getpid()) in n]
         with pytest.raises(WorkerTimeout) as caught:
             runner.generate("skip")
     text = str(caught.value)
     assert text.split("\n")[0].startswith("no answer from rank 0 within 3 s during "
-                                          "generate() (call 2)")
+                                          "generate() (call 3)")
     assert "the ranks' collectives" not in text and "all_reduce" in text  # rank 0's stack
     assert [f.collective for f in caught.value.failures] == [None]
+    assert "flight recorders" not in text
+    with DistributedRunner(Collectives, world_size=2, device="cpu", record_collectives=False,
+                           env={"TORCH_FR_BUFFER_SIZE": "16"}) as runner:
+        assert runner.call_all("environment", "TORCH_FR_BUFFER_SIZE") == ["16", "16"]
 
 
 def test_the_ring_entry_cost_diagnostics_ring_has_no_file_once_mapped():

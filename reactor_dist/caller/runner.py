@@ -19,6 +19,7 @@ every method here is a thin layer over it, and the ranks' processes belong to
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import threading
 import weakref
@@ -34,7 +35,7 @@ from ..placement.ray_group import check_ray_options, placement_for
 from ..shm.segments import DEFAULT_DIR
 from ..timeouts import check_grace
 from ..timeouts import check_timeout as _check_timeout
-from ..wire.protocol import PINNED_LIMIT, Method
+from ..wire.protocol import PINNED_LIMIT, RECORDER_SIZE_ENV, Method
 from ..worker import check_not_rerunning_main
 from . import aio, blocking, validation
 from .call_queue import CallQueue
@@ -133,8 +134,10 @@ class DistributedRunner:
         copies from (default 2 GiB; 0: none, every copy through plain memory).
     :param record_collectives: each rank records the collectives it enters in a ring in
         /dev/shm, which the runner reads when a call fails to say which collective each
-        rank is in and what differs (docs: Errors and recovery).  False saves a rank a
-        few µs a collective; a failure then names no collective.
+        rank is in and what differs; a timeout also reports torch's flight recorder
+        (docs: Errors and recovery).  False saves a rank a few µs a collective, and turns
+        the flight recorder off (``TORCH_FR_BUFFER_SIZE=0``, unless ``env`` or this
+        process sets it): a failure then names no collective.
     """
 
     def __init__(self, worker_cls: type, *, world_size: int = 1,
@@ -176,6 +179,9 @@ class DistributedRunner:
         validation.check_placed_options(ray is not None, gpus, rank_output)
         validation.warn_if_cores_short(world_size, device, placement)
         env = {str(k): str(v) for k, v in (env or {}).items()}
+        if not record_collectives and not any(name in env or name in os.environ
+                                              for name in RECORDER_SIZE_ENV):
+            env[RECORDER_SIZE_ENV[0]] = "0"  # torch's flight recorder off too
         self._gpus, self._device = gpus, device
         self._worker_cls = worker_cls  # call(name): its public methods
         self._placement = placement

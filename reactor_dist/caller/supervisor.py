@@ -52,6 +52,7 @@ from ..wire.progress import Display
 from ..wire.protocol import (
     COMMANDS,
     PINNED_LIMIT,
+    RECORDER_SIGNAL,
     SECRET_SIZE,
     SPARES_SOCKET,
     Bootstrap,
@@ -85,6 +86,7 @@ log = logging.getLogger("reactor_dist")
 
 PING_EVERY = 0.02  # seconds between two sends of a command not yet answered
 LOOK_EVERY = 0.1  # seconds: the longest receive, so that a shutdown is seen
+RECORDER_WAIT = 0.5  # seconds a timeout's ranks get to write their flight recorders
 
 
 class Ask(NamedTuple):
@@ -411,6 +413,45 @@ class Supervisor:
         except (IndexError, ValueError):  # no ring, or closed meanwhile
             return None
 
+    def ask_recorders(self) -> dict[int, int]:
+        """RECORDER_SIGNAL to every live rank with a ring: each writes its torch group's
+        flight recorder there (rank.flight_recorder); the answers each had written."""
+        assert self.ranks is not None
+        dead = set(self.ranks.dead())
+        asked = {}
+        for rank, segment in enumerate(self.rings):
+            if rank in dead or rank >= len(self.ranks.procs):
+                continue
+            try:
+                asked[rank] = collective_ring.recorded(segment.mm)[0]
+            except (ValueError, struct_error):  # closed meanwhile
+                continue
+            self.ranks.procs[rank].signal(RECORDER_SIGNAL, group=False)
+        return asked
+
+    def recorders(self, asked: dict[int, int]) -> str:
+        """The answers to :meth:`ask_recorders`, a line per rank ("" when none was asked
+        or every one's recorder is empty), waited for up to RECORDER_WAIT."""
+        deadline = time.monotonic() + RECORDER_WAIT
+        answers: dict[int, list[dict]] = {}
+        while asked:
+            for rank, before in asked.items():
+                if rank not in answers:
+                    with contextlib.suppress(ValueError, struct_error):
+                        count, entries = collective_ring.recorded(self.rings[rank].mm)
+                        if count > before:
+                            answers[rank] = entries
+            if len(answers) == len(asked) or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        if answers and not any(answers.values()) and len(answers) == len(asked):
+            return ""  # no rank's torch keeps one (TORCH_FR_BUFFER_SIZE=0, or an old torch)
+        return "".join(
+            f"\n  rank {rank}: " + (collective_ring.describe_recorded(answers[rank])
+                                    if rank in answers else
+                                    f"no answer within {RECORDER_WAIT:g} s")
+            for rank in sorted(asked))
+
     def with_collectives(self, error: Any, report: collective_ring.Report | None) -> None:
         """Each failure record of ``error`` gets its rank's collective line."""
         if report is not None:
@@ -485,9 +526,11 @@ class Supervisor:
         report = self.collectives(seq, self.ranks.dead(), {
             r: record.type.rpartition(".")[2] for r, (record, _) in raised.items()}) \
             if seq is not None else None
+        asked = self.ask_recorders() if seq is not None else {}
+        stacks = self.ranks.stacks(silent)  # the recorders answer meanwhile
         error = timeout_error(f"no answer from rank {', '.join(map(str, silent))} within "
                               f"{timeout:g} s during {what}{bound}", raised,
-                              self.ranks.stacks(silent), report)
+                              stacks, report, self.recorders(asked))
         error.failures = (
             self.ranks.failures(silent, self.devices, seq=seq, method=method) +
             self.ranks.failures(list(raised), self.devices, seq=seq, method=method,

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 import psutil
 
 from ..device import cuda_visible_devices, gpu_index
-from ..wire.protocol import GROUP_ABORT_SIGNAL, MARK_ENV, Bootstrap, torchrun_env
+from ..wire.protocol import MARK_ENV, RANK_SIGNALS, Bootstrap, torchrun_env
 from . import stacks, template
 from .base import (
     TERM_GRACE,
@@ -49,12 +49,13 @@ OWN_PROCESS_GROUP: dict[str, Any] = (
 # A rank never looks in the working directory for modules: ``-m`` or ``-c`` would put
 # it first on sys.path, and whoever may write there would run code in the rank before
 # the bootstrap is read.  The rank then takes the caller's own sys.path from the bootstrap.
-# Its first statement blocks GROUP_ABORT_SIGNAL, before any import: a thread started
-# by an import (numpy's OpenBLAS starts one per core as reactor_dist's package imports
-# it) would otherwise have it unblocked, take it at a restart, and its default action
-# would end the survivor it was meant to release (reactor_dist.rank.group).
+# Its first statement blocks RANK_SIGNALS, before any import: a thread started by an
+# import (numpy's OpenBLAS starts one per core as reactor_dist's package imports it)
+# would otherwise have them unblocked, take one (GROUP_ABORT_SIGNAL at a restart), and
+# its default action would end the survivor it was meant to release
+# (reactor_dist.rank.group).
 RANK_MAIN = (f"import signal; signal.pthread_sigmask(signal.SIG_BLOCK, "
-             f"{{{int(GROUP_ABORT_SIGNAL)}}}); import runpy; "
+             f"{set(RANK_SIGNALS)}); import runpy; "
              f"runpy.run_module('reactor_dist.rank', run_name='__main__', alter_sys=True)")
 SAFE_PATH: list[str] = (["-P", "-c", RANK_MAIN] if sys.version_info >= (3, 11) else
                         ["-c", "import sys; del sys.path[0]; " + RANK_MAIN])

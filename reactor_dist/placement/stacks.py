@@ -39,9 +39,11 @@ class RankProcess(Protocol):
 DUMP_WAIT = 0.5  # seconds the silent ranks get to write their dumps
 QUIET = 0.03  # a dump is complete once its rank wrote nothing for this long
 # The innermost frame of reactor_dist in a dump of a rank's own threads: the runner watch
-# (server.watch_runner) and the group's abort thread (group.watch_abort, in signal.sigwait
-# below it), each in its function ``wait``.
-OWN_THREAD = re.compile(r'reactor_dist[/\\]rank[/\\](server|group)\.py", line \d+ in wait$')
+# (server.watch_runner), the group's abort thread (group.watch_abort, in signal.sigwait
+# below it) and the flight recorder's (flight_recorder.answer, likewise), each in its
+# function ``wait``.
+OWN_THREAD = re.compile(
+    r'reactor_dist[/\\]rank[/\\](server|group|flight_recorder)\.py", line \d+ in wait$')
 STOPPING = "SIGSTOP, SIGTSTP, SIGTTIN or SIGTTOU"  # what may have stopped a process
 
 

@@ -51,8 +51,8 @@ from collections import OrderedDict
 from typing import Any, cast
 
 from ..wire.protocol import (
-    GROUP_ABORT_SIGNAL,
     MARK_ENV,
+    RANK_SIGNALS,
     TEMPLATE_FD_ENV,
     TEMPLATE_NAME,
     ForkReply,
@@ -66,7 +66,7 @@ log = logging.getLogger("reactor_dist")
 # serve() before it, which returns only in a forked rank; its arguments are the modules it
 # imports before it forks (PRELOAD, TORCH).
 TEMPLATE_MAIN = (f"import signal; signal.pthread_sigmask(signal.SIG_BLOCK, "
-                 f"{{{int(GROUP_ABORT_SIGNAL)}}}); "
+                 f"{set(RANK_SIGNALS)}); "
                  f"from reactor_dist.placement.template import serve; "
                  f"serve(); import runpy; "
                  f"runpy.run_module('reactor_dist.rank', run_name='__main__', alter_sys=True)")

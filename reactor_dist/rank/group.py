@@ -47,7 +47,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from ..wire.protocol import GROUP_ABORT_SIGNAL, Bootstrap, store_file
+from ..wire.protocol import GROUP_ABORT_SIGNAL, RANK_SIGNALS, Bootstrap, store_file
 
 CPU_BACKEND = "gloo"
 CUDA_BACKENDS = "cpu:gloo,cuda:nccl"  # CPU tensors through gloo, CUDA tensors through NCCL
@@ -64,11 +64,12 @@ def group_options(device: str) -> dict[str, Any]:
     return {"backend": CUDA_BACKENDS, "device_id": torch.device(device)}
 
 
-def block_abort_signal() -> None:
-    """At a rank's start, before any thread exists (threads inherit it): the abort signal
-    is blocked everywhere, so that only :func:`watch_abort`'s ``sigwait`` takes it (its
-    default action would end the rank)."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {GROUP_ABORT_SIGNAL})
+def block_rank_signals() -> None:
+    """At a rank's start, before any thread exists (threads inherit it): the abort and
+    recorder signals are blocked everywhere, so that only the ``sigwait`` of
+    :func:`watch_abort` and of flight_recorder.answer take them (their default action
+    would end the rank)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(RANK_SIGNALS))
 
 
 def watch_abort(rendezvous: Rendezvous) -> None:

@@ -57,8 +57,8 @@ from ..wire import framing, log_records, transfer
 from ..wire.progress import FORMING, IMPORTING, LOADING, Reporter
 from ..wire.protocol import STACKS_SIGNAL, Bootstrap, Field, Kind, Method, Status
 from ..worker import import_worker_class
-from . import collective_wait
-from .group import Rendezvous, block_abort_signal, watch_abort
+from . import collective_wait, flight_recorder
+from .group import Rendezvous, block_rank_signals, watch_abort
 from .memory import CALLER, Inbox, RankMemory
 
 log = logging.getLogger("reactor_dist")  # its records reach the caller's logging (log_records.py)
@@ -279,6 +279,13 @@ class RankServer:
         elif self.call(header, body) == Status.RAISED:
             self.raised_in = seq
 
+    def record_collectives(self, device: str) -> None:
+        """Once the group formed: its collectives timed and recorded in this rank's ring
+        (collective_wait), and torch's flight recorder written there when asked."""
+        self.waits = collective_wait.install(device, self.ring_path(), self.world_size)
+        if self.waits.ring is not None:
+            flight_recorder.answer(self.waits.ring)
+
     def ring_path(self) -> str:
         """This rank's collective ring, made by the caller (collective_ring)."""
         return os.path.join(self.boot.shm_dir, ring_name(self.boot.shm_prefix, self.rank))
@@ -318,7 +325,7 @@ class RankServer:
                 self.epoch = self.rendezvous.epoch = header.get(Field.EPOCH, 0)
                 self.rendezvous.form_group(device, port)
                 reply[Field.GROUP_SECONDS] = time.perf_counter() - began
-                self.waits = collective_wait.install(device, self.ring_path(), self.world_size)
+                self.record_collectives(device)
             self.progress.phase(LOADING)
             began = time.perf_counter()
             self.worker = self.boot_worker(device, self.rank)
@@ -352,8 +359,7 @@ class RankServer:
                 reply[Field.GROUP_SECONDS] = self.rendezvous.rejoin(
                     self.device, self.epoch, header.get(Field.PORT) or 0, ack)
                 # a spare's first group, or a kept rank (its ring again: the rank it is)
-                self.waits = collective_wait.install(self.device, self.ring_path(),
-                                                     self.world_size)
+                self.record_collectives(self.device)
             else:
                 ack(0)
             began = time.perf_counter()
@@ -574,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     parser.parse_args(argv)
-    block_abort_signal()  # before any thread: they all inherit the mask
+    block_rank_signals()  # before any thread: they all inherit the mask
     faulthandler.enable(all_threads=True)
     faulthandler.register(STACKS_SIGNAL, all_threads=True)  # the runner asks on a timeout
     boot = Bootstrap.read(sys.stdin.buffer)

@@ -17,6 +17,7 @@ and only whole ones, with nothing else to write); leaving is one byte (its state
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import struct
@@ -29,7 +30,12 @@ MAGIC = 0x52444352  # "RDCR"
 VERSION = 2
 SLOTS = 256  # entries kept per rank: the calls a report can look back over
 ENTRY = 128
-SIZE = ENTRY * (SLOTS + 1)
+# After the entries, the rank's answer to the caller's RECORDER_SIGNAL: its torch group's
+# flight recorder (reactor_dist.rank.flight_recorder), the newest entries as JSON
+RECORDER_AT = ENTRY * (SLOTS + 1)
+RECORDER_SIZE = 16384
+RECORDED = struct.Struct("<II")  # answers written so far, then the JSON's length
+SIZE = RECORDER_AT + RECORDER_SIZE
 HEAD = struct.Struct("<IHHI")  # magic, version, entry size, slots
 BEGUN_AT = 16  # the seq of the call the rank began last (u32; 0: none yet)
 BEGUN = struct.Struct("<I")
@@ -240,6 +246,51 @@ def read(buffer: mmap.mmap | bytes) -> list[Entry]:
                              KINDS[kind] if kind < len(KINDS) else "?", group, ghash,
                              entered, peer, tuple(tensors)))
     return entries
+
+
+def write_recorded(buffer: mmap.mmap, entries: list[dict]) -> None:
+    """The rank's side: its flight recorder's newest ``entries`` (the oldest dropped
+    until they fit), then the count of answers, so that the caller sees a new one whole."""
+    answers, _ = RECORDED.unpack_from(buffer, RECORDER_AT)
+    data = b"[]"
+    for first in range(len(entries) + 1):
+        data = json.dumps(entries[first:], separators=(",", ":")).encode()
+        if len(data) <= RECORDER_SIZE - RECORDED.size:
+            break
+    buffer[RECORDER_AT + RECORDED.size:RECORDER_AT + RECORDED.size + len(data)] = data
+    RECORDED.pack_into(buffer, RECORDER_AT, answers + 1, len(data))
+
+
+def recorded(buffer: mmap.mmap | bytes) -> tuple[int, list[dict]]:
+    """The caller's side: how many answers the rank wrote, and its latest."""
+    answers, length = RECORDED.unpack_from(buffer, RECORDER_AT)
+    if not answers or length > RECORDER_SIZE - RECORDED.size:
+        return answers, []
+    start = RECORDER_AT + RECORDED.size
+    try:
+        entries = json.loads(bytes(buffer[start:start + length]))
+    except ValueError:  # being rewritten
+        return answers, []
+    return answers, entries if isinstance(entries, list) else []
+
+
+def describe_recorded(entries: list[dict]) -> str:
+    """One rank's flight recorder in a line: the collectives it has not finished (the
+    oldest first), else the last it finished."""
+    if not entries:
+        return "nothing recorded"
+
+    def one(e: dict) -> str:
+        sizes = ", ".join(f"[{', '.join(map(str, s))}]" for s in e.get("input_sizes") or [])
+        dtypes = ", ".join(e.get("input_dtypes") or [])
+        what = f"{sizes} {dtypes}".strip() or "no tensor"
+        seq = e.get("p2p_seq_id") if e.get("is_p2p") else e.get("collective_seq_id")
+        return f"{e.get('name', '?')} #{seq} of group {e.get('group', '?')} ({what})"
+
+    open_ = [e for e in entries if not e.get("retired")]
+    if open_:
+        return "not finished: " + "; ".join(f"{one(e)}, {e.get('state', '?')}" for e in open_)
+    return f"every one finished; the last: {one(entries[-1])}"
 
 
 def group_key(ranks: Sequence[int], world_size: int) -> tuple[int, tuple[int, ...]]:

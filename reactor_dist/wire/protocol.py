@@ -436,13 +436,21 @@ class ForkReply(NamedTuple):
 # Inherited by every process a rank starts: finds them when the process tree no longer
 # does (their rank died and they left its process group, or a daemon double-forked).
 MARK_ENV = "REACTOR_DIST_RANK_MARK"
+# torch's flight recorder's size in a rank's environment (reactor_dist.rank.flight_recorder;
+# the second is its older name): 0 with record_collectives=False, unless the application
+# sized it
+RECORDER_SIZE_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 # Signals the runner sends a rank's own process (never its process group): SIGUSR1 asks
 # for every thread's stack (faulthandler, reactor_dist.placement.stacks); GROUP_ABORT_SIGNAL, at a
 # restart, makes a survivor close its torch group's connections, so that it gets out of
-# whatever collective it waits in (reactor_dist.rank.group).  A real-time signal: no
-# library's own, and blocked in every thread of a rank but the one that waits for it.
+# whatever collective it waits in (reactor_dist.rank.group); RECORDER_SIGNAL, at a
+# timeout, has a rank write its torch group's flight recorder into its collective ring
+# (reactor_dist.rank.flight_recorder).  Real-time signals: no library's own, and
+# blocked in every thread of a rank (RANK_SIGNALS) but the one that waits for each.
 STACKS_SIGNAL = signal.SIGUSR1
 GROUP_ABORT_SIGNAL = signal.SIGRTMIN + 2
+RECORDER_SIGNAL = signal.SIGRTMIN + 3
+RANK_SIGNALS = (int(GROUP_ABORT_SIGNAL), int(RECORDER_SIGNAL))
 # /dev/shm entries: rdist.<owner pid>.<owner start time, hex>.<runner token>.<tag><token>
 # (tag: "in" for inputs, "r0-" for results, "s<rank>-" for snapshots; token: 16 random
 # hex digits per segment)
