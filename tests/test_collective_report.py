@@ -230,6 +230,40 @@ def test_every_form_of_entry_reads_back_as_written_and_the_ring_keeps_the_newest
         ring.mm.close()
 
 
+def test_the_recorder_answer_area_keeps_the_newest_entries_that_fit():
+    """A rank's flight recorder answer (collective_ring.write_recorded): read back whole,
+    counted, the oldest entries dropped when they do not fit; each described in a line."""
+    from benchmarks.ring_entry_cost import mapped_ring
+
+    def fr(seq: int, retired: bool, name: str = "gloo:all_reduce") -> dict:
+        return collective_ring.recorder_entry({
+            "profiling_name": name, "process_group": ("0", "default_pg"),
+            "collective_seq_id": seq, "p2p_seq_id": 0, "is_p2p": False,
+            "input_sizes": [[4, 2]], "input_dtypes": ["Float"], "state": "scheduled",
+            "retired": retired})
+
+    ring = mapped_ring()
+    try:
+        assert collective_ring.recorded(ring.mm) == (0, [])
+        collective_ring.write_recorded(ring.mm, [fr(1, True), fr(2, False), fr(3, False)])
+        count, entries = collective_ring.recorded(ring.mm)
+        assert count == 1 and [e["collective_seq_id"] for e in entries] == [1, 2, 3]
+        assert collective_ring.describe_recorded(entries) == (
+            "not finished: gloo:all_reduce #2 of group default_pg ([4, 2] Float), scheduled; "
+            "gloo:all_reduce #3 of group default_pg ([4, 2] Float), scheduled")
+        assert collective_ring.describe_recorded(entries[:1]) == (
+            "every one finished; the last: gloo:all_reduce #1 of group default_pg "
+            "([4, 2] Float)")
+        assert collective_ring.describe_recorded([]) == "nothing recorded"
+        many = [fr(n, True, name="gloo:" + "x" * 200) for n in range(200)]  # ~50 KB
+        collective_ring.write_recorded(ring.mm, many)
+        count, entries = collective_ring.recorded(ring.mm)
+        assert count == 2 and 0 < len(entries) < 200
+        assert entries == many[-len(entries):]  # the newest kept
+    finally:
+        ring.mm.close()
+
+
 def entry(seq: int, index: int, kind: str, state: int, shape: tuple[int, ...] = (4,),
           dtype: str = "float32", group: tuple[int, ...] = (), number: int | None = None
           ) -> Entry:

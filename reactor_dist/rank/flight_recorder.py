@@ -33,8 +33,8 @@ _answering: list[Any] = []  # the ring the thread writes to (a spare's changes o
 
 
 def newest() -> list[dict]:
-    """The recorder's newest entries, each cut to what the caller shows; [] where this
-    torch has no recorder or it is off."""
+    """The recorder's newest entries, each cut to what the caller shows
+    (collective_ring.recorder_entry); [] where this torch has no recorder or it is off."""
     try:
         from torch._C import _distributed_c10d as c10d
     except ImportError:
@@ -46,18 +46,7 @@ def newest() -> list[dict]:
         trace = pickle.loads(dump(True, False, False))
     except Exception:  # the recorder off, or a backend without one
         return []
-    out = []
-    for e in (trace.get("entries") or [])[-NEWEST:]:
-        group = e.get("process_group")
-        out.append({
-            "name": e.get("profiling_name"),
-            "group": group[1] if isinstance(group, (list, tuple)) and len(group) > 1 else group,
-            "collective_seq_id": e.get("collective_seq_id"),
-            "p2p_seq_id": e.get("p2p_seq_id"), "is_p2p": bool(e.get("is_p2p")),
-            "input_sizes": e.get("input_sizes"), "input_dtypes": e.get("input_dtypes"),
-            "state": e.get("state"), "retired": bool(e.get("retired")),
-        })
-    return out
+    return [collective_ring.recorder_entry(e) for e in (trace.get("entries") or [])[-NEWEST:]]
 
 
 def answer(ring: collective_ring.Writer) -> None:

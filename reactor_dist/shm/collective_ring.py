@@ -248,6 +248,20 @@ def read(buffer: mmap.mmap | bytes) -> list[Entry]:
     return entries
 
 
+def recorder_entry(entry: dict) -> dict:
+    """One entry of torch's flight recorder dump, cut to what :func:`describe_recorded`
+    shows (the rank's side; the keys of the answer area's JSON)."""
+    group = entry.get("process_group")
+    return {
+        "name": entry.get("profiling_name"),
+        "group": group[1] if isinstance(group, (list, tuple)) and len(group) > 1 else group,
+        "collective_seq_id": entry.get("collective_seq_id"),
+        "p2p_seq_id": entry.get("p2p_seq_id"), "is_p2p": bool(entry.get("is_p2p")),
+        "input_sizes": entry.get("input_sizes"), "input_dtypes": entry.get("input_dtypes"),
+        "state": entry.get("state"), "retired": bool(entry.get("retired")),
+    }
+
+
 def write_recorded(buffer: mmap.mmap, entries: list[dict]) -> None:
     """The rank's side: its flight recorder's newest ``entries`` (the oldest dropped
     until they fit), then the count of answers, so that the caller sees a new one whole."""
