@@ -413,9 +413,11 @@ class Supervisor:
         except (IndexError, ValueError):  # no ring, or closed meanwhile
             return None
 
-    def ask_recorders(self) -> dict[int, int]:
-        """RECORDER_SIGNAL to every live rank with a ring: each writes its torch group's
-        flight recorder there (rank.flight_recorder); the answers each had written."""
+    def ask_recorders(self) -> tuple[dict[int, int], float]:
+        """RECORDER_SIGNAL to every live rank that writes in its ring (one on another
+        node has none): each writes its torch group's flight recorder there
+        (rank.flight_recorder).  The answers each had written, and until when
+        :meth:`recorders` waits for the new ones."""
         assert self.ranks is not None
         dead = set(self.ranks.dead())
         asked = {}
@@ -423,16 +425,17 @@ class Supervisor:
             if rank in dead or rank >= len(self.ranks.procs):
                 continue
             try:
+                if not collective_ring.begun(segment.mm):
+                    continue  # it never wrote there: no thread of it would answer
                 asked[rank] = collective_ring.recorded(segment.mm)[0]
             except (ValueError, struct_error):  # closed meanwhile
                 continue
             self.ranks.procs[rank].signal(RECORDER_SIGNAL, group=False)
-        return asked
+        return asked, time.monotonic() + RECORDER_WAIT
 
-    def recorders(self, asked: dict[int, int]) -> str:
+    def recorders(self, asked: dict[int, int], deadline: float) -> str:
         """The answers to :meth:`ask_recorders`, a line per rank ("" when none was asked
-        or every one's recorder is empty), waited for up to RECORDER_WAIT."""
-        deadline = time.monotonic() + RECORDER_WAIT
+        or every one's recorder is empty), waited for until ``deadline``."""
         answers: dict[int, list[dict]] = {}
         while asked:
             for rank, before in asked.items():
@@ -526,11 +529,11 @@ class Supervisor:
         report = self.collectives(seq, self.ranks.dead(), {
             r: record.type.rpartition(".")[2] for r, (record, _) in raised.items()}) \
             if seq is not None else None
-        asked = self.ask_recorders() if seq is not None else {}
+        asked, deadline = self.ask_recorders() if seq is not None else ({}, 0.0)
         stacks = self.ranks.stacks(silent)  # the recorders answer meanwhile
         error = timeout_error(f"no answer from rank {', '.join(map(str, silent))} within "
                               f"{timeout:g} s during {what}{bound}", raised,
-                              stacks, report, self.recorders(asked))
+                              stacks, report, self.recorders(asked, deadline))
         error.failures = (
             self.ranks.failures(silent, self.devices, seq=seq, method=method) +
             self.ranks.failures(list(raised), self.devices, seq=seq, method=method,
