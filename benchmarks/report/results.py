@@ -68,8 +68,8 @@ def extra_row(section: str, case: str, ours: Stats | None, without: Stats | None
               floor_label: str, target_s: float, *, paired: bool = False) -> Row:
     """A row for what one feature adds per call: ``ours`` against the same runner
     ``without`` it, judged against ``target_s`` seconds more: the difference of the
-    medians, or with ``paired`` (samples in alternating blocks of one call) the median
-    pair's difference (stats.median_pair_difference)."""
+    medians, or with ``paired`` (samples taken by stats.paired_calls) the median pair's
+    difference (stats.median_pair_difference)."""
     goal = f"≤ +{target_s * 1e6:g} µs"
     row = Row(section=section, case=case, unit="us", ours=ours, floor=without,
               floor_label=floor_label, target=goal)

@@ -151,27 +151,20 @@ def interleave(
 
 
 def on_and_off(worker_cls: type, world_size: int, on: str, off: str, *, calls: int,
-               warmup: int, rounds: int = 0) -> dict[str, Stats]:
+               warmup: int) -> dict[str, Stats]:
     """A runner of ``worker_cls`` (CPU, its gloo group) whose ``generate(flag)`` runs with
-    a feature (True) or without it (False): each one's samples, summarised, as ``on``
-    and ``off``; timed in ``rounds`` alternating blocks, or with no ``rounds`` in pairs of
-    one call each (:func:`paired_calls`, for :func:`median_pair_difference`)."""
+    a feature (True) or without it (False), timed in pairs of one call each
+    (:func:`paired_calls`, for :func:`median_pair_difference`): each one's samples,
+    summarised, as ``on`` and ``off``."""
     from reactor_dist import DistributedRunner
 
     runner = DistributedRunner(worker_cls, world_size=world_size, device="cpu",
                                call_timeout=120.0)
     runner.start()
     try:
-        if not rounds:
-            samples = paired_calls({on: lambda: runner.generate(True),
-                                    off: lambda: runner.generate(False)},
-                                   calls=calls, warmup=warmup)
-        else:
-            def block(flag: bool) -> Callable[[int, list[float]], None]:
-                return lambda n, into: record_calls(lambda: runner.generate(flag), n, into)
-
-            samples = alternate_blocks({on: block(True), off: block(False)}, calls=calls,
-                                       warmup=warmup, rounds=rounds)
+        samples = paired_calls({on: lambda: runner.generate(True),
+                                off: lambda: runner.generate(False)},
+                               calls=calls, warmup=warmup)
     finally:
         runner.shutdown()
     return {key: summarize(v) for key, v in samples.items()}

@@ -191,7 +191,7 @@ class Recorded:
         for at, name in self.tensors:
             value = args[at] if at < len(args) else kwargs.get(name)
             listed = 0
-            if type(value) is list or isinstance(value, (list, tuple)):
+            if isinstance(value, (list, tuple)):
                 listed = len(value)
                 value = value[0] if value else None
             shape = getattr(value, "shape", None)
