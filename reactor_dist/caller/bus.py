@@ -59,6 +59,10 @@ FOREVER_MS = 1 << 62
 ZAP_DOMAIN = "reactor-dist"
 # Bus.publish at the bound: the first pause between tries, and the longest one.
 RETRY_FIRST, RETRY_MOST = 0.0005, 0.01
+REJECTIONS_LOGGED = 3  # dropped messages that get a log record each (rejected)
+NOBLOCK = int(zmq.NOBLOCK)
+ACK_RANK = 4  # an acknowledgement's rank, among HOT_HEAD's fields
+log = logging.getLogger("reactor_dist")
 _FIRST, _FIRST_OF_MORE, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.SNDMORE)
 
 
@@ -142,6 +146,7 @@ class Bus:
     def _open(self, secret: bytes, ipc_dir: str, world_size: int) -> None:
         self.secret, self.world_size = secret, world_size
         self.channel = framing.Channel(secret)
+        self.take = self.channel.take
         self.bound = send_bound()
         self.pub = framing.bounded(self.ctx.socket(zmq.XPUB))
         # One call at a time keeps each rank's queue a few messages deep; the bound stops
@@ -167,6 +172,7 @@ class Bus:
         # The spares' socket (spares.py, which reads and closes it), for open_tcp.
         self.spare_pull: zmq.Socket | None = None
         self._pull_timeout = -1  # the PULL socket's RCVTIMEO, in ms
+        self.rejections = 0  # messages dropped unread (rejected)
 
     def open_tcp(self, address: str, clients: set[bytes]) -> tuple[str, str, str, bytes]:
         """Bind both sockets, and the spares' (:attr:`spare_pull`) where there is one, on
@@ -258,23 +264,52 @@ class Bus:
             while True:
                 self.pub.recv(zmq.NOBLOCK)
 
-    def receive(self, wait_ms: int) -> tuple[dict, list] | None:
-        """The next message if it is an authentic reply or death notice; None when
+    def receive(self, wait_ms: int, acks: bool = False) -> tuple | None:
+        """The next message if it is an authentic reply or death notice: ``(header, body)``,
+        or with ``acks`` a plain reply as HOT_HEAD's fields and its payload
+        (:meth:`framing.Channel.take`: the call queue counts it into its call); None when
         ``wait_ms`` (-1: no limit) passed first or the message is not ours."""
-        wait_ms = min(wait_ms, timeouts.SLICE_MS)  # RCVTIMEO is a C int: the caller loops on
-        want = wait_ms if wait_ms >= 0 else FOREVER_MS
-        have = self._pull_timeout if self._pull_timeout >= 0 else FOREVER_MS
-        if abs(want - have) > TIMEOUT_SLACK_MS:  # most calls keep the last setting
-            self.pull.setsockopt(zmq.RCVTIMEO, wait_ms)
-            self._pull_timeout = wait_ms
+        if wait_ms == 0:  # no wait: the socket's RCVTIMEO stays what the waits want
+            flags = NOBLOCK
+        else:
+            flags = 0
+            if wait_ms != self._pull_timeout:  # most calls keep the last setting
+                self.set_timeout(wait_ms)
         try:
-            header, body = self.channel.recv(self.pull)
-        except (zmq.Again, framing.ProtocolError):
+            message = self.take(framing.receive(self.pull, flags))
+        except zmq.Again:
             return None
+        except framing.ProtocolError as exc:
+            self.rejected(exc)
+            return None
+        if len(message) != 2:  # a plain reply: HOT_HEAD's fields, its payload (Channel.take)
+            if not 0 <= message[ACK_RANK] < self.world_size:
+                return None
+            return message if acks else framing.taken(message)
+        header = message[0]
         if header[Field.KIND] not in Kind.TO_RUNNER or \
                 not 0 <= header[Field.RANK] < self.world_size:
             return None
-        return header, body
+        return message
+
+    def set_timeout(self, wait_ms: int) -> None:
+        """The reply socket's RCVTIMEO for ``wait_ms``, unless within TIMEOUT_SLACK_MS of
+        the last one."""
+        wait_ms = min(wait_ms, timeouts.SLICE_MS)  # RCVTIMEO is a C int: the caller loops on
+        want = wait_ms if wait_ms >= 0 else FOREVER_MS
+        have = self._pull_timeout if self._pull_timeout >= 0 else FOREVER_MS
+        if abs(want - have) > TIMEOUT_SLACK_MS:
+            self.pull.setsockopt(zmq.RCVTIMEO, wait_ms)
+            self._pull_timeout = wait_ms
+
+    def rejected(self, exc: framing.ProtocolError) -> None:
+        """A message that is not ours, or of another wire version, is dropped: the first
+        REJECTIONS_LOGGED of them with a log record each (never a flood)."""
+        self.rejections += 1
+        if self.rejections <= REJECTIONS_LOGGED:
+            more = " (further ones are dropped unlogged)" \
+                if self.rejections == REJECTIONS_LOGGED else ""
+            log.warning("reactor_dist: the reply socket dropped a message: %s%s", exc, more)
 
     def tell_death(self, ranks: list[int], epoch: int = 0) -> None:
         """In the death watch's thread: wake the caller's wait with a notice (``epoch``:

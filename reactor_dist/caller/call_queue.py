@@ -420,15 +420,17 @@ class CallQueue:
         return True
 
     def serve(self, now: float, give_up: float | None) -> None:
-        """As the receiver: one message (waiting until the next deadline or ``give_up``);
-        a passed deadline with nothing left to read breaks the runner."""
-        if self.leaving:
-            self.take_leaving()
+        """As the receiver: one message (waiting until the next deadline or ``give_up``),
+        and whatever else has arrived by then; a passed deadline with nothing left to read
+        breaks the runner."""
         path = self.path
         assert path is not None
+        if self.leaving:
+            self.take_leaving()
         if path.answered_due:
             path.tell_answered()
-        due = self.engine.next_deadline()
+        engine = self.engine
+        due = engine.in_flight[0].deadline if engine.in_flight else None
         if due is not None and now >= due:
             if not self.drain():
                 self.expire()
@@ -441,14 +443,25 @@ class CallQueue:
             memory = path.memory
             if memory.hungry is not None or path.results.has_released():
                 memory.flush()
+            bus = path.bus
             self.lock.release()
             try:
-                if self.engine.settled:
+                if engine.settled:
                     self.settle_futures()
-                message = path.bus.receive(wait_ms)
+                message = bus.receive(wait_ms, True)
+                arrived = None
+                while message is not None and bus.pull_events() & POLLIN:  # more, at once
+                    if arrived is None:
+                        arrived = [message]
+                    message = bus.receive(0, True)
+                    if message is not None:
+                        arrived.append(message)
             finally:
                 self.lock.acquire()
-            if message is not None:
+            if arrived is not None:
+                for message in arrived:
+                    self.dispatch(message)
+            elif message is not None:
                 self.dispatch(message)
         finally:
             self.receiving = False
@@ -469,7 +482,7 @@ class CallQueue:
         for _ in range(DRAIN_MOST):
             if not bus.pull_events() & POLLIN:
                 break
-            message = bus.receive(0)
+            message = bus.receive(0, acks=True)
             if message is not None:
                 got = True
                 self.dispatch(message)
@@ -511,9 +524,16 @@ class CallQueue:
                                               head.replies, head.seq, head.method), head)
 
     # -- what arrives ----------------------------------------------------------------------
-    def dispatch(self, message: tuple[dict, list]) -> None:
-        """One message from a rank: its ledger fields applied here, then a reply or an
-        item to the engine, a death's notice judged."""
+    def dispatch(self, message: tuple) -> None:
+        """One message from a rank: an acknowledgement counted into its call; else its
+        ledger fields applied here, then a reply or an item to the engine, a death's
+        notice judged."""
+        if len(message) != 2:  # an acknowledgement (framing.Channel.take): no ledger fields
+            engine = self.engine
+            engine.ack(message, monotonic())
+            if engine.todo or engine.changed:
+                self.carry_out()
+            return
         header = message[0]
         path = self.path
         assert path is not None
@@ -565,7 +585,7 @@ class CallQueue:
             now = time.monotonic()
             if now >= give_up:
                 break
-            message = path.bus.receive(timeouts.wait_ms(give_up - now))
+            message = path.bus.receive(timeouts.wait_ms(give_up - now), acks=True)
             if message is not None:
                 self.dispatch(message)
         return min(known, default=0)

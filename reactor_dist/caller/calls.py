@@ -50,18 +50,22 @@ class Call:
     """One call sent to the ranks: its replies so far, rank 0's items not yet taken, and
     when it is answered, its value or error.  Owned by the call queue's lock."""
 
-    __slots__ = ("seq", "method", "timeout", "what", "replies", "items", "left",
+    __slots__ = ("seq", "method", "timeout", "replies", "items", "left",
                  "generator", "started", "sent", "deadline", "watchers",
                  "done", "value", "error", "future", "itemized", "record", "measured",
                  "stream", "command", "received", "skip", "retried", "every_rank",
-                 "logged")
+                 "logged", "returned", "compute", "waits")
 
     def __init__(self, seq: int, method: str, timeout: float | None, started: float = 0.0,
                  sent: float = 0.0) -> None:
         self.seq, self.method, self.timeout = seq, method, timeout
         self.started, self.sent = started, sent  # perf_counter: send() began, CALL published
-        self.what = f"{method}() (call {seq})"
         self.replies: Replies = {}
+        self.returned = 0  # replies of status OK so far
+        # Each rank's seconds in its worker method, and of those in collectives (its
+        # REPLY's COMPUTE and COLLECTIVE_WAIT), by rank.
+        self.compute: dict[int, float] = {}
+        self.waits: dict[int, float] = {}
         self.items: collections.deque[Any] = collections.deque()
         self.left = False  # nobody takes its value or items any more (the glossary's "left")
         self.generator = False  # rank 0's generate() was a generator (known at the end)
@@ -93,9 +97,15 @@ class Call:
     def resent(self, seq: int, sent: float) -> None:
         """``retry_failed``: the same call, sent again as ``seq`` after a restart; the
         items it had brought are not handed over twice."""
-        self.seq, self.sent, self.what = seq, sent, f"{self.method}() (call {seq})"
+        self.seq, self.sent = seq, sent
         self.replies, self.deadline, self.retried, self.logged = {}, None, True, False
+        self.returned, self.compute, self.waits = 0, {}, {}
         self.skip, self.received = self.received, 0
+
+    @property
+    def what(self) -> str:
+        """The call as errors and logs name it."""
+        return f"{self.method}() (call {self.seq})"
 
     def settle(self, value: Any, error: BaseException | None) -> None:
         self.done, self.value, self.error = True, value, error
@@ -170,18 +180,24 @@ def any_raised(call: Call) -> bool:
 
 def compute_seconds(call: Call, world_size: int) -> tuple[float, ...]:
     """Each rank's seconds inside its worker method (Field.COMPUTE of its REPLY)."""
-    replies = call.replies
-    return tuple([replies[rank][0].get(Field.COMPUTE, 0.0) for rank in range(world_size)])
+    compute = call.compute
+    return tuple([compute.get(rank, 0.0) for rank in range(world_size)])
 
 
 def collective_wait_seconds(call: Call, world_size: int) -> tuple[float, ...] | None:
     """Each rank's seconds of its compute spent waiting in torch.distributed collectives
     (Field.COLLECTIVE_WAIT); None when the ranks measured none (no group formed)."""
-    replies = call.replies
-    if Field.COLLECTIVE_WAIT not in replies[0][0]:
+    waits = call.waits
+    if 0 not in waits:
         return None
-    return tuple([replies[rank][0].get(Field.COLLECTIVE_WAIT, 0.0)
-                  for rank in range(world_size)])
+    return tuple([waits.get(rank, 0.0) for rank in range(world_size)])
+
+
+# What an acknowledgement stands for among a call's replies (Call.replies): a REPLY of
+# status OK with nothing else (its times are in Call.compute and Call.waits).  Shared:
+# never changed.
+ACKNOWLEDGED: tuple[dict[str, Any], list] = ({Field.KIND: Kind.REPLY, Field.STATUS: Status.OK},
+                                             [])
 
 
 class CallPath:
@@ -392,35 +408,40 @@ class CallPath:
         not return): a collective_ring.Report; None where none recorded one."""
         return self.supervisor.collectives(call.seq)
 
+    def returned(self, call: Call) -> Outcome:
+        """Every rank returned ``call``: rank 0's Outcome, its result decoded (every rank's,
+        for ``call_all``) when somebody takes it, else released unread."""
+        replies = call.replies
+        call.generator = generator = Field.ITEMS in replies[0][0]
+        if call.method in Method.BUILT_IN and call.method != Method.GENERATE:
+            return RETURNED
+        if call.left:
+            for header, _ in replies.values():
+                self.discard(header)
+            return RETURNED
+        if call.every_rank:
+            return self.every_result(call)
+        try:
+            if generator:  # its items are the value
+                value: Any = list(call.items)
+                undecodable = [i for i in value if isinstance(i, Undecodable)]
+                if undecodable:
+                    raise undecodable[0].error
+            else:
+                header, body = replies[0]
+                value = transfer.decode(header.get(Field.DESCRIPTORS), body, self.results.base)
+            return Outcome(Status.OK, value)
+        except Exception as exc:
+            return Outcome(Status.UNDELIVERABLE, None, exc, type_name(exc))
+
     def outcomes(self, call: Call) -> list[Outcome]:
         """Every rank's Outcome; rank 0's result (every rank's, for ``call_all``, as rank
         0's value) is decoded only when every rank returned and somebody takes it (else
         it is released unread)."""
         replies = call.replies
         call.generator = Field.ITEMS in replies[0][0]
-        if [h.get(Field.STATUS) for h, _ in replies.values()].count(Status.OK) == self.world_size:
-            if call.method in Method.BUILT_IN and call.method != Method.GENERATE:
-                return [RETURNED] * self.world_size
-            header, body = replies[0]
-            if call.left:
-                for header, _ in replies.values():
-                    self.discard(header)
-                return [RETURNED] * self.world_size
-            if call.every_rank:
-                return [self.every_result(call)] + [RETURNED] * (self.world_size - 1)
-            try:
-                if call.generator:  # its items are the value
-                    value: Any = list(call.items)
-                    undecodable = [i for i in value if isinstance(i, Undecodable)]
-                    if undecodable:
-                        raise undecodable[0].error
-                else:
-                    value = transfer.decode(header.get(Field.DESCRIPTORS), body,
-                                            self.results.base)
-                first = Outcome(Status.OK, value)
-            except Exception as exc:
-                first = Outcome(Status.UNDELIVERABLE, None, exc, type_name(exc))
-            return [first] + [RETURNED] * (self.world_size - 1)
+        if call.returned == self.world_size:
+            return [self.returned(call)] + [RETURNED] * (self.world_size - 1)
         outcomes = []
         for rank in range(self.world_size):
             header, body = replies[rank]

@@ -59,8 +59,14 @@ from time import perf_counter
 from typing import Any, Protocol
 
 from ..errors import CallQueueFull, WorkerCrashed, WorkerTimeout, failed_behind, queue_full
-from ..wire.protocol import Field, Kind, Method
-from .calls import Call, any_raised, collective_wait_seconds, compute_seconds
+from ..wire.protocol import Field, Hot, Kind, Method, Status
+from .calls import (
+    ACKNOWLEDGED,
+    Call,
+    any_raised,
+    collective_wait_seconds,
+    compute_seconds,
+)
 from .fault_log import one_line
 from .observers import (
     CANCELLED,
@@ -74,7 +80,7 @@ from .observers import (
     Observer,
     tell,
 )
-from .outcome import UNUSABLE_ENDING, judge
+from .outcome import UNUSABLE_ENDING, Verdict, judge
 from .timings import Recorder
 
 
@@ -470,12 +476,39 @@ class Engine:
                     call.deadline = now + call.timeout
                 self.changed = True
         elif header[Field.RANK] not in call.replies:
-            call.replies[header[Field.RANK]] = message
+            rank = header[Field.RANK]
+            call.replies[rank] = message
+            if header.get(Field.STATUS) == Status.OK:
+                call.returned += 1
+            if Field.COMPUTE in header:
+                call.compute[rank] = header[Field.COMPUTE]
+            if Field.COLLECTIVE_WAIT in header:
+                call.waits[rank] = header[Field.COLLECTIVE_WAIT]
             if Field.LOGGED in header:  # its records reach the logs before its result
                 call.logged = True
             in_flight = self.in_flight
             while in_flight and len(in_flight[0].replies) == self.world_size:
                 self.answered(in_flight.popleft(), now)
+
+    def ack(self, fields: tuple, now: float) -> None:
+        """One plain reply (status OK, nothing but its times and maybe a small payload:
+        HOT_HEAD's fields and the payload, framing.Channel.take), counted into its call
+        with no header map."""
+        _, _, flags, _, rank, seq, compute, wait, _, payload = fields
+        call = self.by_seq.get(seq)
+        if call is None or rank in call.replies:  # a failed call's: it holds no segments
+            return
+        call.replies[rank] = ACKNOWLEDGED if payload is None else (ACKNOWLEDGED[0], [payload])
+        call.returned += 1
+        if flags & Hot.COMPUTE:
+            call.compute[rank] = compute
+        if flags & Hot.WAIT:
+            call.waits[rank] = wait
+        if flags & Hot.LOGGED:
+            call.logged = True
+        in_flight = self.in_flight
+        while in_flight and len(in_flight[0].replies) == self.world_size:
+            self.answered(in_flight.popleft(), now)
 
     def owes_before(self, begun: dict[int, int | None]) -> bool:
         """A death's notice: a dead rank still owes replies to calls before the one it
@@ -512,7 +545,11 @@ class Engine:
         answered = perf_counter()
         if call.logged:  # the call's log records before its result or error
             self.todo.append((Do.TAKE_OUTPUT, None))
-        verdict = judge(call.method, codec.outcomes(call), lambda: codec.collectives(call))
+        if call.returned == self.world_size:  # the common path: one pass, nobody judged
+            first = codec.returned(call)
+            verdict = Verdict(first.value, first.error, False)
+        else:
+            verdict = judge(call.method, codec.outcomes(call), lambda: codec.collectives(call))
         if (self.timings.enabled or self.observers) and not call.left:
             times = (call.started, call.sent, answered, perf_counter())
             compute = compute_seconds(call, self.world_size)
@@ -525,7 +562,7 @@ class Engine:
             self.in_flight.appendleft(call)  # fails first, with the error itself
             self.broken(verdict.error, call)  # type: ignore[arg-type]
             return
-        if any_raised(call):
+        if call.returned != self.world_size and any_raised(call):
             self.todo.append((Do.TELL_ANSWERED, call))
         if self.session is not None:
             self.session.record(call, codec)

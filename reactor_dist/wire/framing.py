@@ -4,11 +4,15 @@ A message is a ZeroMQ multipart::
 
     [ mac + header | body frames ... ]
 
-The first frame is the 32-byte MAC followed by the header, a msgpack map whose
-fields and kinds :mod:`reactor_dist.wire.protocol` names; the body frames are the
-pickle-5 stream and any small out-of-band buffers.  A small pickle stream (most
-calls and replies) rides inside the header as ``Field.EMBEDDED``, so that the common
-message is one frame.
+The first frame is the 32-byte MAC followed by the header: the wire version and the
+kind's code, then for the hot kinds (a call, its replies and items, ANSWERED) a fixed
+binary part, the other fields as a msgpack map and a small first body frame; for the
+other kinds a msgpack map (:mod:`reactor_dist.wire.protocol` lays both out: ``HOT_HEAD``,
+``Hot``).  The body frames are the pickle-5 stream and any small out-of-band buffers.
+A small pickle stream (most calls and replies) rides inside the header
+(``Field.EMBEDDED``), so that the common message is one frame; a reply that holds
+nothing but the fixed part is an acknowledgement, which :meth:`Channel.take` hands
+over as the fixed part's fields, without a header map.
 
 The MAC is keyed BLAKE2b-256 under the per-runner secret: over the header frame
 alone for a one-frame message, else over every frame, length-prefixed, with a
@@ -16,11 +20,11 @@ different personalization so the two forms can never be confused.  (BLAKE2 is a
 MAC when keyed; unlike HMAC-SHA256 through OpenSSL it is one small C call, and
 on a 2-core machine the four MACs of an empty call cost 25 us the other way.)
 :meth:`Channel.unpack` checks the MAC before it even decodes the header, so nothing a
-stranger sends is ever parsed, let alone unpickled.  Every malformed message
-raises :class:`ProtocolError`.
+stranger sends is ever parsed, let alone unpickled.  Every malformed message, and one
+of another wire version, raises :class:`ProtocolError`.
 
-The header is short on purpose: empty fields are left out, and readers use
-``header.get``.
+Decoded, a header is a plain dict keyed by ``Field``'s constants; empty fields are
+left out, and readers use ``header.get``.
 """
 
 from __future__ import annotations
@@ -35,7 +39,13 @@ import msgpack
 import zmq
 
 from .protocol import (
+    ACK_SIZE,
     EMBED_LIMIT,
+    EXTRAS_SIZE,
+    HOT,
+    HOT_HEAD,
+    KIND_CODES,
+    KINDS_BY_CODE,
     MAC_FRAMES,
     MAC_ONE_FRAME,
     MAC_SIZE,
@@ -43,8 +53,11 @@ from .protocol import (
     MAX_FRAME_ENV,
     MAX_MESSAGE_DEFAULT,
     MAX_MESSAGE_ENV,
+    PREFIX,
     SECRET_SIZE,
+    WIRE_VERSION,
     Field,
+    Hot,
     Kind,
 )
 
@@ -55,6 +68,14 @@ _SNDMORE = int(zmq.SNDMORE)
 MAX_FRAME = int(os.environ.get(MAX_FRAME_ENV) or MAX_FRAME_DEFAULT)
 MAX_MESSAGE = int(os.environ.get(MAX_MESSAGE_ENV) or MAX_MESSAGE_DEFAULT)
 COPY_LIMIT = 64 << 10  # received frames up to this size are copied into bytes (cheaper)
+_FIXED = (Field.KIND, Field.SEQ, Field.RANK)
+_REPLY_CODE = KIND_CODES[Kind.REPLY]
+# The flags of a reply Channel.take hands over undecoded (anything more is decoded whole).
+_TAKEN_FLAGS = Hot.LOGGED | Hot.COMPUTE | Hot.WAIT | Hot.EMBEDDED
+_CODE_AT = MAC_SIZE + 1  # where the kind's code is in a first frame
+# Every flag bit a hot kind may carry.
+_KNOWN_FLAGS = {kind: sum(booleans.values()) | Hot.COUNT | Hot.COMPUTE | Hot.WAIT
+                | Hot.EMBEDDED | Hot.EXTRAS for kind, booleans in Hot.BOOLEANS.items()}
 
 
 def bounded(sock: zmq.Socket) -> zmq.Socket:
@@ -93,53 +114,131 @@ class Channel:
         return digest.digest()
 
     def pack(self, header: dict[str, Any], body: Sequence[Any] = ()) -> list[Any]:
-        """The multipart frames of one authenticated message (``header`` gains
-        ``Field.EMBEDDED`` when the first body frame is small enough to ride in it)."""
+        """The multipart frames of one authenticated message (the first body frame rides
+        in the header when it is small enough)."""
+        embedded = None
         if body and type(body[0]) is bytes and len(body[0]) <= EMBED_LIMIT:
-            header[Field.EMBEDDED], body = body[0], body[1:]
-        head = self._pack(header)
+            embedded, body = body[0], body[1:]
+        head = self.head(header, embedded)
         if not body:
             digest = self._one_frame.copy()
             digest.update(head)
             return [digest.digest() + head]
         return [self.mac([head, *body]) + head, *body]
 
+    def head(self, header: dict[str, Any], embedded: bytes | None = None) -> bytes:
+        """A header's bytes (without the MAC), as protocol.HOT_HEAD and Hot lay them out."""
+        kind = header[Field.KIND]
+        code = KIND_CODES.get(kind)
+        if code is None:
+            raise ValueError(f"reactor_dist bug: no message kind {kind!r}")
+        rest = {k: v for k, v in header.items() if k != Field.KIND}
+        if kind not in HOT:
+            if embedded is not None:
+                rest[Field.EMBEDDED] = embedded
+            return PREFIX.pack(WIRE_VERSION, code) + self._pack(rest)
+        seq, rank = rest.pop(Field.SEQ), rest.pop(Field.RANK)
+        flags = value = count = 0
+        for name, bit in Hot.BOOLEANS[kind].items():
+            if rest.get(name) is True:
+                del rest[name]
+                flags |= bit
+        coded = Hot.CODED.get(kind)
+        if coded is not None and type(rest.get(coded)) is str:
+            value = Hot.CODES[coded].get(rest[coded], 0)
+            if value:
+                del rest[coded]
+        compute = rest.get(Field.COMPUTE)
+        if type(compute) is float:
+            del rest[Field.COMPUTE]
+            flags |= Hot.COMPUTE
+        else:
+            compute = 0.0
+        wait = rest.get(Field.COLLECTIVE_WAIT)
+        if type(wait) is float:
+            del rest[Field.COLLECTIVE_WAIT]
+            flags |= Hot.WAIT
+        else:
+            wait = 0.0
+        counted = Hot.COUNTS.get(kind)
+        if counted is not None and type(rest.get(counted)) is int and \
+                0 <= rest[counted] < 1 << 32:
+            count = rest.pop(counted)
+            flags |= Hot.COUNT
+        extras = b""
+        if rest:
+            extras = self._pack(rest)
+            flags |= Hot.EXTRAS
+        if embedded is not None:
+            flags |= Hot.EMBEDDED
+        head = HOT_HEAD.pack(WIRE_VERSION, code, flags, value, rank, seq, compute, wait, count)
+        if extras:
+            head += EXTRAS_SIZE.pack(len(extras)) + extras
+        return head if embedded is None else head + embedded
+
     def unpack(self, parts: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
         """Verify and decode one message: ``(header, body frames)``, else ProtocolError."""
+        return self.decoded(*self.verify(parts))
+
+    def verify(self, parts: Sequence[Any]) -> tuple[Any, list[Any]]:
+        """The MAC checked: the first frame (bytes, or a view of a big one) and the body
+        frames; else ProtocolError."""
         if not parts:
             raise ProtocolError("empty message")
         first = parts[0] if type(parts[0]) is bytes else memoryview(parts[0])
         if len(first) <= MAC_SIZE:
             raise ProtocolError(f"first frame has {len(first)} bytes: no room for MAC and header")
-        head = first[MAC_SIZE:]  # a view when ``first`` is one: copied only once authentic
         if len(parts) == 1:  # the common message, its MAC inline
-            frames = [head]
             digest = self._one_frame.copy()
-            digest.update(head)
+            digest.update(first[MAC_SIZE:])  # a view when ``first`` is one
             expected = digest.digest()
         else:
-            frames = [head, *parts[1:]]
-            expected = self.mac(frames)
+            expected = self.mac([first[MAC_SIZE:], *parts[1:]])
         if not compare_digest(bytes(first[:MAC_SIZE]), expected):
             raise ProtocolError("MAC mismatch: message not signed with this runner's secret")
-        try:
-            header = msgpack.unpackb(head, raw=False, strict_map_key=True)
-        except Exception as exc:  # only reachable with a valid MAC, i.e. our own bug
-            raise ProtocolError(f"undecodable header: {exc}") from None
-        if type(header) is not dict:
-            raise ProtocolError(f"header is {type(header).__name__}, expected a map")
+        return first, list(parts[1:])
+
+    def take(self, parts: Sequence[Any]) -> tuple:
+        """:meth:`unpack`, but a REPLY of status OK that holds nothing beyond
+        protocol.HOT_HEAD but a small payload (every rank's acknowledgement, rank 0's small
+        result) comes back as HOT_HEAD's nine fields and the payload (None for an
+        acknowledgement): no header map, so that the caller counts it into its call."""
+        if len(parts) == 1:
+            first = parts[0]
+            if type(first) is bytes and len(first) >= ACK_SIZE and \
+                    first[_CODE_AT] == _REPLY_CODE:
+                digest = self._one_frame.copy()
+                digest.update(first[MAC_SIZE:])
+                if not compare_digest(first[:MAC_SIZE], digest.digest()):
+                    raise ProtocolError("MAC mismatch: message not signed with this "
+                                        "runner's secret")
+                fields = HOT_HEAD.unpack_from(first, MAC_SIZE)
+                flags = fields[2]
+                if fields[0] == WIRE_VERSION and fields[3] == Hot.OK and \
+                        not flags & ~_TAKEN_FLAGS:
+                    if not flags & Hot.EMBEDDED:
+                        if len(first) == ACK_SIZE:
+                            return fields + (None,)
+                    elif len(first) > ACK_SIZE:
+                        return fields + (first[ACK_SIZE:],)
+                return self.decoded(first, [])
+        return self.unpack(parts)
+
+    def decoded(self, first: Any, frames: list[Any]) -> tuple[dict[str, Any], list[Any]]:
+        """A verified message's header decoded and checked: ``(header, body frames)``."""
+        header = decode(first[MAC_SIZE:])
         kind, seq, rank = header.get(Field.KIND), header.get(Field.SEQ), header.get(Field.RANK)
         if type(seq) is not int or type(rank) is not int:
             raise ProtocolError(f"header fields SEQ/RANK are {seq!r}/{rank!r}, expected ints")
         if type(kind) is not str or kind not in Kind.ALL:
             raise ProtocolError(f"unknown message kind {kind!r}")
         if Field.EMBEDDED not in header:
-            return header, frames[1:]
+            return header, frames
         embedded = header.pop(Field.EMBEDDED)
         if type(embedded) is not bytes:
             raise ProtocolError(
                 f"embedded body frame is {type(embedded).__name__}, expected bytes")
-        frames[0] = embedded
+        frames.insert(0, embedded)
         return header, frames
 
     def send(self, send_frame: Callable[..., Any], header: dict[str, Any],
@@ -149,27 +248,127 @@ class Channel:
         send(send_frame, self.pack(header, body))
 
     def recv(self, sock: zmq.Socket) -> tuple[dict[str, Any], list[Any]]:
-        """Receive and verify one whole message (blocking; zmq.Again after RCVTIMEO).
+        """Receive, verify and decode one whole message (blocking; zmq.Again after
+        RCVTIMEO)."""
+        return self.unpack(receive(sock))
 
-        Frames are taken as zmq.Frame, whose ``more`` flag is a plain attribute: asking
-        the socket for RCVMORE goes through pyzmq's option enum, about 1 us a message.
-        A frame over COPY_LIMIT stays a view of ZeroMQ's buffer: a stranger's big
-        forged frame is never copied, and an authentic big body is copied no more.
-        A message over MAX_MESSAGE in all is let go frame by frame as it comes."""
+
+def decode(head: Any) -> dict[str, Any]:
+    """An authentic header's bytes (after the MAC) as a header map; ProtocolError when
+    they are not one of this wire version's."""
+    if len(head) < PREFIX.size:
+        raise ProtocolError(f"a header of {len(head)} bytes: no room for its version and kind")
+    version, code = PREFIX.unpack_from(head)
+    if version != WIRE_VERSION:
+        raise ProtocolError(version_refused(version))
+    kind = KINDS_BY_CODE.get(code)
+    if kind is None:
+        raise ProtocolError(f"unknown message kind code {code}")
+    if kind not in HOT:
+        header = unpack_map(head[PREFIX.size:], "header")
+        if Field.KIND in header:
+            raise ProtocolError("a header map that names its kind again")
+        header[Field.KIND] = kind
+        return header
+    if len(head) < HOT_HEAD.size:
+        raise ProtocolError(f"a {kind} header of {len(head)} bytes, shorter than its fixed "
+                            f"part ({HOT_HEAD.size})")
+    _, _, flags, value, rank, seq, compute, wait, count = HOT_HEAD.unpack_from(head)
+    if flags & ~_KNOWN_FLAGS[kind]:
+        raise ProtocolError(f"a {kind} header with unknown flags {flags:#04x}")
+    header: dict[str, Any] = {Field.KIND: kind, Field.SEQ: seq, Field.RANK: rank}
+    for name, bit in Hot.BOOLEANS[kind].items():
+        if flags & bit:
+            header[name] = True
+    if value:
+        coded = Hot.CODED.get(kind)
+        named = None if coded is None else Hot.VALUES[coded].get(value)
+        if named is None:
+            raise ProtocolError(f"a {kind} header with an unknown code {value}")
+        header[coded] = named  # type: ignore[index]
+    if flags & Hot.COMPUTE:
+        header[Field.COMPUTE] = compute
+    if flags & Hot.WAIT:
+        header[Field.COLLECTIVE_WAIT] = wait
+    if flags & Hot.COUNT:
+        counted = Hot.COUNTS.get(kind)
+        if counted is None:
+            raise ProtocolError(f"a {kind} header with a count")
+        header[counted] = count
+    at = HOT_HEAD.size
+    if flags & Hot.EXTRAS:
+        if len(head) < at + EXTRAS_SIZE.size:
+            raise ProtocolError(f"a {kind} header cut short before its extras")
+        (size,) = EXTRAS_SIZE.unpack_from(head, at)
+        at += EXTRAS_SIZE.size
+        if len(head) < at + size:
+            raise ProtocolError(f"a {kind} header cut short inside its extras")
+        extras = unpack_map(head[at:at + size], f"{kind} header's extras")
+        at += size
+        if extras.keys() & header.keys() or Field.EMBEDDED in extras:
+            raise ProtocolError(f"a {kind} header's extras repeat its fixed fields")
+        header.update(extras)
+    if flags & Hot.EMBEDDED:
+        header[Field.EMBEDDED] = bytes(head[at:])
+    elif at != len(head):
+        raise ProtocolError(f"a {kind} header with {len(head) - at} bytes after its end")
+    return header
+
+
+def taken(fields: tuple) -> tuple[dict[str, Any], list[Any]]:
+    """A reply as Channel.take hands it over (HOT_HEAD's fields and the payload) as the
+    message unpack gives."""
+    header = decode(HOT_HEAD.pack(*fields[:-1]))
+    header.pop(Field.EMBEDDED, None)
+    return header, [] if fields[-1] is None else [fields[-1]]
+
+
+def unpack_map(data: Any, what: str) -> dict[str, Any]:
+    try:
+        value = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # only reachable with a valid MAC, i.e. our own bug
+        raise ProtocolError(f"undecodable {what}: {exc}") from None
+    if type(value) is not dict:
+        raise ProtocolError(f"{what} is {type(value).__name__}, expected a map")
+    return value
+
+
+def version_refused(version: int) -> str:
+    """Why a message of another wire version is refused (the sender holds the secret:
+    it is a rank or a runner of another reactor_dist version)."""
+    if 0x80 <= version <= 0x8F or version in (0xDE, 0xDF):
+        return (f"a message in the first wire format (a bare msgpack header): its sender "
+                f"runs an older reactor_dist than this process (wire version "
+                f"{WIRE_VERSION}); install the same reactor_dist version for the runner "
+                f"and every rank")
+    return (f"a message of wire version {version}, but this process speaks version "
+            f"{WIRE_VERSION}: the runner and its ranks run different reactor_dist "
+            f"versions; install the same one for the runner and every rank")
+
+
+def receive(sock: zmq.Socket, flags: int = 0) -> list[Any]:
+    """One whole message's frames, not yet verified (blocking; zmq.Again after RCVTIMEO).
+
+    Frames are taken as zmq.Frame, whose ``more`` flag is a plain attribute: asking
+    the socket for RCVMORE goes through pyzmq's option enum, about 1 us a message.
+    A frame over COPY_LIMIT stays a view of ZeroMQ's buffer: a stranger's big
+    forged frame is never copied, and an authentic big body is copied no more.
+    A message over MAX_MESSAGE in all is let go frame by frame as it comes.  ``flags``:
+    zmq.NOBLOCK for a message only if one has arrived (else zmq.Again)."""
+    frame = sock.recv(flags, copy=False)
+    size = len(frame)
+    parts: list[Any] | None = [frame.bytes if size <= COPY_LIMIT else frame.buffer]
+    while frame.more:
         frame = sock.recv(copy=False)
-        size = len(frame)
-        parts: list[Any] | None = [frame.bytes if size <= COPY_LIMIT else frame.buffer]
-        while frame.more:
-            frame = sock.recv(copy=False)
-            size += len(frame)
-            if size > MAX_MESSAGE:
-                parts = None  # keep reading to its end, holding nothing
-            elif parts is not None:
-                parts.append(frame.bytes if len(frame) <= COPY_LIMIT else frame.buffer)
-        if parts is None:
-            raise ProtocolError(f"a message of {size >> 20} MiB, over the bound of "
-                                f"{MAX_MESSAGE >> 20} MiB ({MAX_MESSAGE_ENV})")
-        return self.unpack(parts)
+        size += len(frame)
+        if size > MAX_MESSAGE:
+            parts = None  # keep reading to its end, holding nothing
+        elif parts is not None:
+            parts.append(frame.bytes if len(frame) <= COPY_LIMIT else frame.buffer)
+    if parts is None:
+        raise ProtocolError(f"a message of {size >> 20} MiB, over the bound of "
+                            f"{MAX_MESSAGE >> 20} MiB ({MAX_MESSAGE_ENV})")
+    return parts
 
 
 def send(send_frame: Callable[..., Any], frames: Sequence[Any]) -> None:

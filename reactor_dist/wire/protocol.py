@@ -113,6 +113,7 @@ import io
 import json
 import pickle
 import signal
+import struct
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, NamedTuple
 
@@ -237,6 +238,7 @@ Kind.READ_AHEAD = frozenset(kind for kind, command in COMMANDS.items() if comman
 Kind.ALL = Kind.COMMANDS | Kind.REPLIES | {Kind.DEATH}
 
 
+
 class Status:
     """The value of ``Field.STATUS`` in READY and REPLY."""
 
@@ -259,6 +261,59 @@ class Method:
         """Whether a CALL of ``method`` carries a payload: generate's input, or a named
         method's ``(args, kwargs)``."""
         return method == Method.GENERATE or method not in Method.BUILT_IN
+
+
+# -- the header's bytes (reactor_dist.wire.framing) ---------------------------------------
+# After the MAC, every header begins with the wire version and its kind's code.  The hot
+# kinds (HOT: a call, its replies and items, ANSWERED) have a fixed binary part
+# (HOT_HEAD) that holds every field the caller reads on every call; what else a header
+# holds (descriptors, an error, the ledger fields) follows as a msgpack map (Hot.EXTRAS,
+# its length first), and a small first body frame as the last bytes (Hot.EMBEDDED).  The
+# other kinds are a msgpack map after the two bytes.  A reply that is only HOT_HEAD (one
+# frame of MAC_SIZE + HOT_HEAD.size bytes: no extras, no payload) is an acknowledgement,
+# counted by the caller without a header map (framing.Channel.take).
+WIRE_VERSION = 2  # the first format (version "1") was a bare msgpack map
+KIND_CODES: dict[str, int] = {kind: code for code, kind in enumerate((
+    Kind.PING, Kind.INIT, Kind.CALL, Kind.SHUTDOWN, Kind.RELEASE, Kind.RECLAIM, Kind.DROP,
+    Kind.REJOIN, Kind.ANSWERED, Kind.REJOINED, Kind.PONG, Kind.READY, Kind.REPLY, Kind.ITEM,
+    Kind.RECLAIMED, Kind.STARVED, Kind.TRIMMED, Kind.PROGRESS, Kind.DEATH), start=1)}
+KINDS_BY_CODE: dict[int, str] = {code: kind for kind, code in KIND_CODES.items()}
+HOT = frozenset({Kind.CALL, Kind.REPLY, Kind.ITEM, Kind.ANSWERED})
+PREFIX = struct.Struct("<BB")  # version, kind code: every header
+# version, kind code, flags (Hot), code (CALL: Method's, REPLY: Status's; 0: in the
+# extras), rank, seq, compute, collective wait, count (REPLY: ITEMS, ITEM: INDEX)
+HOT_HEAD = struct.Struct("<BBBBiQddI")
+ACK_SIZE = MAC_SIZE + HOT_HEAD.size  # an acknowledgement's one frame
+EXTRAS_SIZE = struct.Struct("<I")  # the extras map's length, before it
+
+
+class Hot:
+    """The bits of HOT_HEAD's flags byte: the per-kind booleans, then what is present."""
+
+    # The booleans, per kind: field -> bit (absent or not True: not set).
+    BOOLEANS: dict[str, dict[str, int]] = {
+        Kind.CALL: {Field.BEHIND: 1, Field.DIGEST: 2, Field.ALL: 4},
+        Kind.REPLY: {Field.LOGGED: 1},
+        Kind.ITEM: {},
+        Kind.ANSWERED: {},
+    }
+    COUNT = 0x08     # the count field holds ITEMS (REPLY) or INDEX (ITEM)
+    COMPUTE = 0x10   # the compute field holds Field.COMPUTE
+    WAIT = 0x20      # the wait field holds Field.COLLECTIVE_WAIT
+    EMBEDDED = 0x40  # the header's last bytes are the first body frame (Field.EMBEDDED)
+    EXTRAS = 0x80    # a msgpack map of the other fields follows HOT_HEAD
+    LOGGED = 1       # REPLY: Field.LOGGED (BOOLEANS)
+    # The field the count holds, per kind; the field the code holds and its values.
+    COUNTS: dict[str, str] = {Kind.REPLY: Field.ITEMS, Kind.ITEM: Field.INDEX}
+    CODED: dict[str, str] = {Kind.CALL: Field.METHOD, Kind.REPLY: Field.STATUS}
+    CODES: dict[str, dict[str, int]] = {
+        Field.METHOD: {Method.GENERATE: 1, Method.RESET: 2, Method.SNAPSHOT: 3,
+                       Method.RESTORE: 4},
+        Field.STATUS: {Status.OK: 1, Status.RAISED: 2, Status.UNDELIVERABLE: 3},
+    }
+    VALUES: dict[str, dict[int, str]] = {
+        f: {c: v for v, c in codes.items()} for f, codes in CODES.items()}
+    OK = 1  # Status.OK's code
 
 
 class Place:
