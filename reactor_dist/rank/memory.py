@@ -161,6 +161,8 @@ class RankMemory:
     def apply(self, header: dict[str, Any]) -> None:
         """The RELEASED (ours, let go by the caller) and RETIRED (the runner's inputs,
         unlinked) fields of a command."""
+        if Field.RELEASED not in header and Field.RETIRED not in header:
+            return  # the common command: nothing to apply
         mine = f"{self.boot.shm_prefix}.{self.snapshot_tag}"
         for name in header.get(Field.RELEASED) or ():
             if isinstance(name, str):
@@ -184,9 +186,10 @@ class RankMemory:
             if names:
                 message[Field.RELEASED] = names
                 self.unchecked.update(names)
-        retired = self.results.take_retired() + self.snapshots.take_retired()
-        if retired:
-            message[Field.RETIRED] = retired
+        retired = self.results.take_retired()
+        snapshots = self.snapshots.take_retired()
+        if retired or snapshots:
+            message[Field.RETIRED] = retired + snapshots
 
     def on_memory(self, header: dict[str, Any]) -> None:
         """A RELEASE or RECLAIM command, whenever it is read."""

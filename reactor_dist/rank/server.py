@@ -34,7 +34,6 @@ import collections
 import contextlib
 import dataclasses
 import faulthandler
-import inspect
 import logging
 import os
 import pickle
@@ -44,6 +43,7 @@ import signal
 import sys
 import threading
 import time
+from types import GeneratorType
 from typing import Any, NoReturn
 
 import psutil
@@ -423,7 +423,7 @@ class RankServer:
                 began = time.perf_counter()
                 result = self.worker.generate(value)
                 del value
-                if inspect.isgenerator(result):
+                if isinstance(result, GeneratorType):
                     started, began = time.perf_counter() - began, 0.0
                     try:
                         reply[Field.ITEMS], error = self.run_steps(header[Field.SEQ], result)
@@ -432,7 +432,7 @@ class RankServer:
                     result = None
                     if error is not None:
                         reply[Field.STATUS] = Status.UNDELIVERABLE
-                else:
+                elif self.device != "cpu":
                     wait_for_device(self.device)  # the timing ends when the GPU is done
             elif named:
                 args, kwargs = transfer.decode(header.get(Field.DESCRIPTORS), body,
