@@ -34,6 +34,7 @@ PAYLOADS = (
 class Settings:
     quick: bool
     world_sizes: tuple[int, ...] = (1, 2, 4)
+    table_world_sizes: tuple[int, ...] = (1, 2, 4, 8)  # the world-size table (world_size.py)
     call_iters: int = 2000  # timed generate(1) calls per trial and configuration
     call_warmup: int = 200
     call_rounds: int = 10  # implementations alternate in this many blocks (see interleave)
@@ -93,6 +94,7 @@ QUICK = Settings(
     recovery_trials=1,
     timeout_trials=1,
     sink_world_sizes=(2,),
+    table_world_sizes=(1, 2),
     startup_world_sizes=(2,),
     startup_trials=1,
     stream_steps=8,

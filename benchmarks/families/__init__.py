@@ -28,10 +28,12 @@ from benchmarks.families import (
     startup,
     streaming,
     timings,
+    world_size,
 )
 
 FAMILIES: tuple[tuple[str, ModuleType], ...] = (
     ("per-call overhead", overhead),
+    ("world sizes against the bus", world_size),
     ("asyncio per call", aio_calls),
     ("per-call timings", timings),
     ("metrics cost", metrics_cost),

@@ -86,6 +86,15 @@ class StreamWorker(DistributedWorker):
         pass
 
 
+class ItemsWorker(DistributedWorker):
+    """``generate(n)``: rank 0 yields the numbers 0 .. n-1, one small item each, and every
+    rank ends its step: what one stream item costs, against one bus message."""
+
+    def generate(self, items: int, /) -> Iterator[int]:
+        if self.rank == 0:
+            yield from range(items)
+
+
 class StepWorker(DistributedWorker):
     """A model step of ``seconds``, slept: a GPU step keeps the device busy and leaves the
     rank's CPU (and the caller's) free, which a sleep models and a busy loop would not.

@@ -47,6 +47,10 @@ def peer(pub_addr: str, pull_addr: str, rank: int) -> None:
         msg = recv()
         if len(msg) == len(MESSAGE):
             send(msg)
+        elif len(msg) == len(MESSAGE) + 1:  # a stream: rank 0 sends msg[0] first
+            for _ in range(msg[0] if rank == 0 else 0):
+                send(MESSAGE)
+            send(msg[1:])
         elif msg == STOP:
             break
         else:  # HELLO or BARRIER+token: answer with the rank
@@ -112,6 +116,29 @@ class RawFloor:
         for _ in self._range:
             out = recv()
         return out
+
+    def stream(self, items: int) -> bytes:
+        """A stream's step: rank 0 sends ``items`` messages, then every peer its echo."""
+        self._send(bytes([items]) + MESSAGE)
+        recv = self._recv
+        for _ in range(items + self.world_size):
+            out = recv()
+        return out
+
+    def pipelined(self, calls: int, ahead: int) -> None:
+        """``calls`` echoes with ``ahead`` of them sent before the first is taken (as a
+        runner's submit() with max_in_flight=ahead)."""
+        send, recv, world_size = self._send, self._recv, self.world_size
+        sent = 0
+        for _ in range(min(ahead, calls)):
+            send(MESSAGE)
+            sent += 1
+        for _ in range(calls):
+            for _ in range(world_size):
+                recv()
+            if sent < calls:
+                send(MESSAGE)
+                sent += 1
 
     def close(self) -> None:
         if self.ctx.closed:

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 
 from benchmarks.config import Settings  # noqa: E402
-from benchmarks.families import aio_calls, streaming  # noqa: E402
+from benchmarks.families import aio_calls, streaming, world_size  # noqa: E402
 from benchmarks.families.frames import SHARED  # noqa: E402
 from benchmarks.implementations.pools import JSON, MPQ, OURS  # noqa: E402
 from benchmarks.report.results import FLOOR, Results  # noqa: E402
@@ -78,6 +78,26 @@ def overhead_panel(ax: Axes, r: Results, s: Settings) -> None:
     _bars(ax, groups, {k: [r.get("call", f"ws{ws}", v) for ws in s.world_sizes]
                        for k, v in impls.items()}, 1e6, "µs per generate(1)")
     ax.set_title("Per-call overhead (floor: bare pyzmq echo peers)", fontsize=9)
+
+
+def world_size_panel(ax: Axes, r: Results, s: Settings) -> None:
+    """Cost against world size: ours and the bare bus, per call and the caller's CPU."""
+    sizes = list(s.table_world_sizes)
+    for metric, style, what in ((world_size.CALL, "-o", "per call"),
+                                (world_size.CALLER, "--s", "caller's CPU")):
+        for impl, name in ((OURS, OURS), (FLOOR, "bare bus")):
+            points = [(ws, r.get(metric, f"ws{ws}", impl)) for ws in sizes]
+            xs = [ws for ws, st in points if st is not None]
+            ys = [st.median * 1e6 for _, st in points if st is not None]
+            if xs:
+                ax.plot(xs, ys, style, label=f"{name}, {what}",
+                        color=COLORS["floor"] if impl == FLOOR else COLORS[OURS])
+    ax.set_xticks(sizes)
+    ax.set_xlabel("world_size")
+    ax.set_ylabel("µs")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("generate(1) against world size (bus: bare pyzmq peers)", fontsize=9)
 
 
 def frames_panel(ax: Axes, r: Results, s: Settings) -> None:
@@ -170,6 +190,7 @@ PANELS: dict[str, Panel] = {
     "startup": startup_panel,
     "streaming": streaming_panel,
     "asyncio": aio_panel,
+    "world-size": world_size_panel,
 }
 
 
@@ -177,11 +198,11 @@ def write_all(r: Results, s: Settings, out_dir: Path, stem: str) -> list[Path]:
     """One PNG per family plus an overview of all of them; returns the paths, overview
     first."""
     paths = []
-    fig = plt.figure(figsize=(13, 17))
-    grid = fig.add_gridspec(4, 2)
+    fig = plt.figure(figsize=(13, 21))
+    grid = fig.add_gridspec(5, 2)
     places = {"overhead": grid[0, 0], "frames": grid[0, 1], "broadcast": grid[1, :],
               "failure": grid[2, 0], "startup": grid[2, 1],
-              "streaming": grid[3, 0], "asyncio": grid[3, 1]}
+              "streaming": grid[3, 0], "asyncio": grid[3, 1], "world-size": grid[4, 0]}
     fig.suptitle(f"reactor_dist benchmarks, {stem}"
                  " (bars: median, whiskers: p10–p90, dots: p99)", fontsize=11)
     for name, panel in PANELS.items():
