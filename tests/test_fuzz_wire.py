@@ -337,3 +337,52 @@ def test_a_live_waiting_loop_with_hypothesis_messages():
 
             burst()
         assert runner.healthy
+
+
+def test_messages_of_another_version_or_cut_short_change_no_call(caplog):
+    """Signed with the runner's own secret (a rank of another reactor_dist version, or a
+    bug): replies of another wire version carrying a wrong result, hot headers cut short
+    and unknown kinds reach the reply socket during a call, and a command of another
+    version reaches the ranks; every call still returns its own result, the runner stays
+    healthy, and the caller logs the first three it dropped, saying why."""
+    with DistributedRunner(Echo, world_size=2, init_process_group=False,
+                           device="cpu", call_timeout=10) as runner:
+        probe = Probe(runner)
+        channel = framing.Channel(probe.secret)
+        wrong = CHANNEL.head({Field.KIND: Kind.REPLY, Field.SEQ: 0, Field.RANK: 0},
+                             b"\x80\x05\x8c\x05WRONG\x94.")  # pickle of "WRONG"
+        forged = []
+        for seq in range(1, 8):
+            for rank in (0, 1):
+                ok = bytearray(channel.head({Field.KIND: Kind.REPLY, Field.SEQ: seq,
+                                             Field.RANK: rank, Field.STATUS: Status.OK,
+                                             Field.COMPUTE: 0.0}, wrong[HOT_HEAD.size:]))
+                for version in (1, WIRE_VERSION + 1):
+                    ok[0] = version
+                    forged.append([channel.mac([bytes(ok)]) + bytes(ok)])
+                for cut in (2, 10, HOT_HEAD.size - 1):
+                    forged.append([channel.mac([bytes(ok[:cut])]) + bytes(ok[:cut])])
+                unknown = bytes(ok[:1]) + b"\xc8" + bytes(ok[2:])
+                forged.append([channel.mac([unknown]) + unknown])
+        command = bytearray(channel.head({Field.KIND: Kind.CALL, Field.SEQ: 50,
+                                          Field.RANK: -1, Field.METHOD: "generate"},
+                                         b"\x80\x05\x8c\x05WRONG\x94."))
+        command[0] = WIRE_VERSION + 1
+        with caplog.at_level("WARNING", logger="reactor_dist"), foreign_push(runner) as push:
+            probe.bus.pub.send(channel.mac([bytes(command)]) + bytes(command))
+            for n in range(6):
+                out: dict = {}
+                thread = threading.Thread(
+                    target=lambda n=n, out=out: out.update(
+                        r=runner.generate(Sleep(0.2, value=n))))
+                thread.start()
+                for message in forged:
+                    push.send_multipart(message)
+                thread.join(10)
+                assert out["r"] == n
+                assert runner.healthy
+        dropped = [r.getMessage() for r in caplog.records
+                   if "the reply socket dropped a message" in r.getMessage()]
+        assert len(dropped) == 3 and "wire version 1, but this process speaks version 2" \
+            in dropped[0] and dropped[2].endswith("(further ones are dropped unlogged)")
+        assert runner.generate(7) == 7

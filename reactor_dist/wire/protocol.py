@@ -1,8 +1,10 @@
 """Every format that crosses a process boundary, named in one place.
 
 The runner and its ranks talk over two ZeroMQ sockets (framing and MAC in
-:mod:`reactor_dist.wire.framing`); each message is a short msgpack header map plus body
-frames.  The message table (``->`` runner to every rank on PUB, ``<-`` one rank to
+:mod:`reactor_dist.wire.framing`); each message is a short header plus body frames:
+the hot kinds (a call, its replies and items, ANSWERED) a fixed binary part
+(:data:`HOT_HEAD`) and a msgpack map of the rarer fields, the others a msgpack map.
+The message table (``->`` runner to every rank on PUB, ``<-`` one rank to
 the runner on PUSH/PULL; kinds are :class:`Kind`'s, fields :class:`Field`'s)::
 
     kind      dir  when                       header fields beyond KIND, SEQ, RANK
@@ -95,8 +97,8 @@ commands).  RELEASED always names segments owned by the *receiver*, RETIRED
 segments owned by the *sender*: one pair of fields in both directions.  Empty
 fields are left out.  The pickle stream of a payload is the first body frame;
 when small it rides in the header as EMBEDDED, so that the common message is one
-frame.  A header is a plain dict keyed by these constants: packing it costs no
-more than a literal.  STATUS is one of :class:`Status`, METHOD one of :class:`Method`,
+frame.  Decoded, a header is a plain dict keyed by these constants.  STATUS is one
+of :class:`Status`, METHOD one of :class:`Method`,
 DESCRIPTORS a list of :class:`Descriptor`, ERROR an :class:`ErrorRecord`.
 
 Besides messages: the :class:`Bootstrap` a rank reads from its stdin, the
