@@ -68,14 +68,19 @@ def measure(settings: Settings, results: Results) -> None:
         for k, v in pooled.items():
             results.put(METRIC, cfg, k, summarize(v))
         results.put(TRIAL_RATIO, cfg, OURS, summarize(ratios))
-        # The baselines run the same input (BenchModel returns an int as it came).
-        pools = open_all(tuple(i for i in IMPLEMENTATIONS if i != OURS), ws, [], results.notes)
-        try:
-            fns = {k: (lambda p=p: p.generate(INPUT)) for k, p in pools.items()}
-            results.measure(METRIC, cfg, fns, dict.fromkeys(fns, s.baseline_call_iters),
-                            dict.fromkeys(fns, s.call_warmup), s.call_rounds)
-        finally:
-            close_all(pools)
+        baselines_per_call(METRIC, ws, s, results)
+
+
+def baselines_per_call(metric: str, ws: int, s: Settings, results: Results) -> None:
+    """The baselines' ``generate(1)`` at ``ws`` ranks, in a rotation of their own (their
+    BenchModel returns an int as it came)."""
+    pools = open_all(tuple(i for i in IMPLEMENTATIONS if i != OURS), ws, [], results.notes)
+    try:
+        fns = {k: (lambda p=p: p.generate(INPUT)) for k, p in pools.items()}
+        results.measure(metric, f"ws{ws}", fns, dict.fromkeys(fns, s.baseline_call_iters),
+                        dict.fromkeys(fns, s.call_warmup), s.call_rounds)
+    finally:
+        close_all(pools)
 
 
 def rows(results: Results, settings: Settings) -> list[Row]:

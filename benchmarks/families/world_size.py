@@ -24,7 +24,8 @@ from collections.abc import Callable
 import psutil
 
 from benchmarks.config import Settings
-from benchmarks.implementations.pools import IMPLEMENTATIONS, OURS, EchoRunner, close_all, open_all
+from benchmarks.families.overhead import baselines_per_call
+from benchmarks.implementations.pools import IMPLEMENTATIONS, OURS, EchoRunner
 from benchmarks.implementations.raw_floor import RawFloor
 from benchmarks.report.results import FLOOR, Results, Row
 from benchmarks.report.stats import Stats, summarize
@@ -110,13 +111,7 @@ def one_world_size(ws: int, s: Settings, results: Results) -> None:
             bus.close()
     finally:
         ours.close()
-    pools = open_all(tuple(i for i in IMPLEMENTATIONS if i != OURS), ws, [], results.notes)
-    try:
-        fns = {k: (lambda p=p: p.generate(INPUT)) for k, p in pools.items()}
-        results.measure(CALL, cfg, fns, dict.fromkeys(fns, s.baseline_call_iters),
-                        dict.fromkeys(fns, s.call_warmup), s.call_rounds)
-    finally:
-        close_all(pools)
+    baselines_per_call(CALL, ws, s, results)
 
 
 def in_flight_and_items(ws: int, s: Settings, results: Results) -> None:

@@ -72,6 +72,7 @@ _FIXED = (Field.KIND, Field.SEQ, Field.RANK)
 _REPLY_CODE = KIND_CODES[Kind.REPLY]
 # The flags of a reply Channel.take hands over undecoded (anything more is decoded whole).
 _TAKEN_FLAGS = Hot.LOGGED | Hot.COMPUTE | Hot.WAIT | Hot.EMBEDDED
+_SECONDS = ((Field.COMPUTE, Hot.COMPUTE), (Field.COLLECTIVE_WAIT, Hot.WAIT))  # HOT_HEAD's floats
 _CODE_AT = MAC_SIZE + 1  # where the kind's code is in a first frame
 # Every flag bit a hot kind may carry.
 _KNOWN_FLAGS = {kind: sum(booleans.values()) | Hot.COUNT | Hot.COMPUTE | Hot.WAIT
@@ -148,18 +149,12 @@ class Channel:
             value = Hot.CODES[coded].get(rest[coded], 0)
             if value:
                 del rest[coded]
-        compute = rest.get(Field.COMPUTE)
-        if type(compute) is float:
-            del rest[Field.COMPUTE]
-            flags |= Hot.COMPUTE
-        else:
-            compute = 0.0
-        wait = rest.get(Field.COLLECTIVE_WAIT)
-        if type(wait) is float:
-            del rest[Field.COLLECTIVE_WAIT]
-            flags |= Hot.WAIT
-        else:
-            wait = 0.0
+        seconds = [0.0, 0.0]  # compute, collective wait
+        for at, (name, bit) in enumerate(_SECONDS):
+            if type(rest.get(name)) is float:
+                seconds[at] = rest.pop(name)
+                flags |= bit
+        compute, wait = seconds
         counted = Hot.COUNTS.get(kind)
         if counted is not None and type(rest.get(counted)) is int and \
                 0 <= rest[counted] < 1 << 32:
