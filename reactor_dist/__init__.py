@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (
     CallQueueFull,
+    CudaContextBroken,
     FileLimitTooLow,
     MainGuardMissing,
     PlacementFailed,
@@ -34,6 +35,7 @@ from .worker import DistributedWorker, share_cpu_cores
 __all__ = [
     "AsyncStream",
     "CallQueueFull",
+    "CudaContextBroken",
     "DistributedRunner",
     "DistributedWorker",
     "FileLimitTooLow",

@@ -104,3 +104,47 @@ def wait_for_device(device: str) -> None:
     cuda = cuda_to_wait_for(device)
     if cuda is not None:
         cuda.synchronize(device)
+
+
+# The CUDA errors that leave a process's context unusable ("sticky"): after one, every
+# later CUDA call of that process fails with it, so the rank's process must be replaced.
+# The texts are cudaGetErrorString's (CUDA 12 and 13), which torch puts after "CUDA
+# error: " in the AcceleratorError (torch >= 2.8) or RuntimeError (older) it raises.
+STICKY_CUDA_ERRORS = (
+    "an illegal memory access was encountered",  # cudaErrorIllegalAddress (700)
+    "the launch timed out and was terminated",  # cudaErrorLaunchTimeout (702)
+    "device-side assert triggered",  # cudaErrorAssert (710)
+    "hardware stack error",  # cudaErrorHardwareStackError (714)
+    "an illegal instruction was encountered",  # cudaErrorIllegalInstruction (715)
+    "misaligned address",  # cudaErrorMisalignedAddress (716)
+    "operation not supported on global/shared address space",  # (717)
+    "invalid program counter",  # cudaErrorInvalidPc (718)
+    "unspecified launch failure",  # cudaErrorLaunchFailure (719)
+    "uncorrectable ECC error encountered",  # cudaErrorECCUncorrectable (214)
+)
+
+
+def context_broken(exc: BaseException, device: str) -> bool:
+    """Whether ``exc`` (raised on a rank computing on ``device``) left the process's CUDA
+    context unusable: it, or an exception it was raised from, names a sticky CUDA error;
+    or it is a ``torch.AcceleratorError`` and the GPU no longer synchronises."""
+    seen: set[int] = set()
+    accelerator = False
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error)
+        if "CUDA error" in text and any(sticky in text for sticky in STICKY_CUDA_ERRORS):
+            return True
+        accelerator = accelerator or type(error).__name__ == "AcceleratorError"
+        error = error.__cause__ or error.__context__
+    if not accelerator or not device.startswith("cuda"):
+        return False
+    cuda = sys.modules.get("torch.cuda")
+    if cuda is None or not cuda.is_initialized():
+        return False
+    try:  # a sticky error is raised again by any CUDA call; a passing one is not
+        cuda.synchronize(device)
+    except Exception:
+        return True
+    return False

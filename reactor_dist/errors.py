@@ -72,6 +72,17 @@ class WorkerCrashed(ReactorDistError, RuntimeError):
     failures: tuple[RankFailure, ...] = ()  # replaced per instance
 
 
+class CudaContextBroken(WorkerCrashed):
+    """A rank raised a CUDA error that leaves its process's CUDA context unusable (an
+    illegal memory access, a device-side assert: every later CUDA call of that process
+    fails).  Its process still runs, but the runner counts the rank as lost: the runner
+    is unusable, and the restart (``restart()`` or ``max_restarts``) replaces that
+    process, with a spare where one waits, while the other ranks may keep theirs.
+
+    ``failures``: one :class:`RankFailure` per such rank, its exception as ``error``;
+    ``__cause__``: the first one's exception."""
+
+
 class WorkerTimeout(ReactorDistError, TimeoutError):
     """Some ranks did not answer within the timeout. The runner is unusable.
 

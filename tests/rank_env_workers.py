@@ -24,3 +24,13 @@ class AllocationProbe(DistributedWorker):
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
         del buf
         return os.environ.get(VARIABLE), faults
+
+
+class EnvOf(DistributedWorker):
+    """``call_all("value_of", name)``: each rank's value of the variable ``name``."""
+
+    def generate(self, x, /):
+        return x
+
+    def value_of(self, name: str) -> str | None:
+        return os.environ.get(name)

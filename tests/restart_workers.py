@@ -93,6 +93,17 @@ class DieIn:
 
 
 @dataclasses.dataclass
+class BreakContext:
+    """Each rank of ``ranks`` raises what torch raises once a kernel broke its process's
+    CUDA context (``text``: the CUDA error, a sticky one by default); the others return.
+    ``wrapped``: the model's own error, raised from that one."""
+
+    ranks: tuple[int, ...]
+    text: str = "CUDA error: an illegal memory access was encountered"
+    wrapped: bool = False
+
+
+@dataclasses.dataclass
 class HangIn:
     """Rank ``rank`` hangs in the model's own code (a sleep, not a collective); the
     others return."""
@@ -129,6 +140,8 @@ class Reduces(DistributedWorker):
             return self.gather((os.getpid(), self.loads, self.rejoins))
         if isinstance(x, DieIn):
             return self.die_in(x)
+        if isinstance(x, BreakContext):
+            return self.break_context(x)
         if isinstance(x, HangIn):
             if x.rank == self.rank:
                 time.sleep(3600)
@@ -143,6 +156,18 @@ class Reduces(DistributedWorker):
         every: list = [None] * self.world_size
         dist.all_gather_object(every, mine)
         return every
+
+    def break_context(self, spec: BreakContext) -> str:
+        import torch
+
+        if self.rank in spec.ranks:
+            error = torch.AcceleratorError(
+                f"{spec.text}\nCUDA kernel errors might be asynchronously reported at some "
+                f"other API call, so the stacktrace below might be incorrect.")
+            if spec.wrapped:
+                raise RuntimeError("the denoiser's step failed") from error
+            raise error
+        return "returned"
 
     def fault_at(self, spec: FaultAt):
         if spec.means == "raise_all":  # every rank, before any collective: fails alone
@@ -253,3 +278,13 @@ class SpareLoadRaises(ReducesAndRejoins):
         if self.rank is None:
             raise ValueError("this model cannot load without a rank")
         super().load(**kwargs)
+
+
+class Alone(DistributedWorker):
+    """World size 1 (no torch group): ``generate(x)`` is this process's pid and x, or
+    BreakContext's error."""
+
+    def generate(self, x, /):
+        if isinstance(x, BreakContext):
+            return Reduces.break_context(self, x)  # type: ignore[arg-type]
+        return os.getpid(), x

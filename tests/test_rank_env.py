@@ -5,7 +5,7 @@ default takes effect: a fresh 97 MB buffer in a rank faults in huge pages (issue
 from __future__ import annotations
 
 import pytest
-from rank_env_workers import NBYTES, VARIABLE, AllocationProbe
+from rank_env_workers import NBYTES, VARIABLE, AllocationProbe, EnvOf
 
 from benchmarks.cpu_copy_settings import transparent_huge_pages
 from reactor_dist import DistributedRunner
@@ -27,8 +27,11 @@ def probe(monkeypatch, start: str, **kw) -> tuple[str | None, int]:
         return runner.generate(None)
 
 
-def test_the_default_is_huge_pages_for_torch_allocations():
-    assert RANK_ENV_DEFAULTS == {VARIABLE: "1"}
+NCCL_ERRORS = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def test_the_defaults_are_huge_pages_and_nccl_errors_left_to_the_runner():
+    assert RANK_ENV_DEFAULTS == {VARIABLE: "1", NCCL_ERRORS: "0"}
 
 
 @pytest.mark.parametrize("start", list(STARTS))
@@ -48,3 +51,21 @@ def test_the_callers_environment_and_the_runners_env_win(monkeypatch, start):
     monkeypatch.setenv(VARIABLE, "0")
     assert probe(monkeypatch, start)[0] == "0"
     assert probe(monkeypatch, start, env={VARIABLE: "2"})[0] == "2"
+
+
+@pytest.mark.parametrize("start", ["forked with torch", "spawned"])
+def test_every_rank_leaves_nccl_errors_to_the_runner_unless_the_application_says(
+        monkeypatch, start):
+    """Issue 54: NCCL's watchdog must not end the survivors before a restart's abort;
+    an application that sets the variable (its environment, or env=) keeps its value."""
+    monkeypatch.setenv(RANK_START_ENV, STARTS[start][0])
+
+    def values(**kw) -> list:
+        with DistributedRunner(EnvOf, world_size=2, device="cpu", **kw) as runner:
+            return runner.call_all("value_of", NCCL_ERRORS)
+
+    monkeypatch.delenv(NCCL_ERRORS, raising=False)
+    assert values() == ["0", "0"]
+    assert values(env={NCCL_ERRORS: "1"}) == ["1", "1"]
+    monkeypatch.setenv(NCCL_ERRORS, "3")
+    assert values() == ["3", "3"]

@@ -458,5 +458,8 @@ class CallPath:
             failure, = self.ranks.failures([rank], self.supervisor.devices, seq=call.seq,
                                            method=call.method, errors={rank: error},
                                            answered=True)
-            outcomes.append(Outcome(status, None, error, record.type, failure))
+            broken = header.get(Field.BROKEN) is True
+            if broken:  # alive, but the next restart replaces it (restart.restart)
+                self.supervisor.lost.add(rank)
+            outcomes.append(Outcome(status, None, error, record.type, failure, broken))
         return outcomes

@@ -13,6 +13,13 @@ import re
 REPORT_END = "; last output:"  # a crash report's header (local.RankProcess)
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's first line, for a one-line summary (a bare KeyboardInterrupt has
+    none: its type says it)."""
+    lines = str(exc).splitlines()
+    return lines[0].rstrip(":") if lines else type(exc).__name__
+
+
 def one_line(exc: BaseException) -> str:
     """``exc``'s message on one line: a crash report's last output shrinks to its last
     line, each rank's; whatever else follows the first line stays in the error."""

@@ -13,8 +13,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from ..errors import RankDesync, RankFailure
+from ..errors import CudaContextBroken, RankDesync, RankFailure
 from ..wire.protocol import Status
+from .fault_log import first_line
 
 
 class Outcome(NamedTuple):
@@ -25,6 +26,7 @@ class Outcome(NamedTuple):
     error: BaseException | None = None  # the rank's exception, rebuilt in the caller
     error_type: str = ""  # its type's name as the rank saw it
     failure: RankFailure | None = None  # the rank's record, when it raised (RankDesync's)
+    broken: bool = False  # its CUDA context broke in the raise (Field.BROKEN): it is lost
 
 
 RETURNED = Outcome(Status.OK)
@@ -48,6 +50,9 @@ def judge(method: str, outcomes: Sequence[Outcome],
     world_size = len(outcomes)
     if [o.status for o in outcomes].count(Status.OK) == world_size:
         return Verdict(outcomes[0].value, None, False)
+    lost = {r: o for r, o in enumerate(outcomes) if o.broken}
+    if lost:  # before any comparison: such a rank cannot run another step
+        return Verdict(None, context_broken(method, lost), True)
     collectives = collectives()
     lead = lines = ""
     if collectives is not None:
@@ -88,3 +93,18 @@ def judge(method: str, outcomes: Sequence[Outcome],
         dataclasses.replace(o.failure, collective=collectives.lines.get(o.failure.rank))
         for o in failed.values() if o.failure is not None)
     return Verdict(None, desync, True)
+
+
+def context_broken(method: str, lost: dict[int, Outcome]) -> CudaContextBroken:
+    """The error of a call in which ranks broke their CUDA context (``lost``, by rank)."""
+    said = "; ".join(f"rank {r}: {o.error_type}: {first_line(o.error) if o.error else ''}"
+                     for r, o in lost.items())
+    which = f"rank {next(iter(lost))}" if len(lost) == 1 else \
+        f"ranks {', '.join(map(str, lost))}"
+    error = CudaContextBroken(
+        f"the CUDA context of {which} is broken in {method}() ({said}): every later CUDA "
+        f"call of that process would fail, so the restart replaces it (with a spare where "
+        f"one waits) and the other ranks keep theirs{UNUSABLE_ENDING}")
+    error.__cause__ = next(iter(lost.values())).error
+    error.failures = tuple(o.failure for o in lost.values() if o.failure is not None)
+    return error

@@ -30,7 +30,8 @@ meanwhile), with the supervisor's steps in it (:func:`abort_groups`, :func:`new_
     who keeps its model (only if the worker defines rejoin() and the DROP went out to
       every rank: a full pipe refuses it to all, XPUB_NODROP): alive, and answers
       a PING within the grace period (one that does not is stopped, or hangs in the
-      model's own code; a rank known dead is not waited for)
+      model's own code; a rank known dead is not waited for, nor one whose CUDA
+      context broke: supervisor.lost)
     end the others; forget what they held (rank 0 ended: its result segments go)
     a loaded spare takes an ended rank's place, while there is one (spares.py)
     start a replacement per other ended rank (same rank, GPU, Ray bundle)
@@ -65,19 +66,12 @@ from ..shm import segments
 from ..wire.protocol import GROUP_ABORT_SIGNAL, Field, Kind, result_tag, store_file
 from .bus import CommandBlocked
 from .call_queue import CallQueue
-from .fault_log import headline, one_line
+from .fault_log import first_line, headline, one_line
 from .spares import Spare
 from .supervisor import Ask, Supervisor, raise_first_error
 
 log = logging.getLogger("reactor_dist")
 END_WAIT = 30.0  # seconds restart() waits for a failed restart of its own to end its ranks
-
-
-def first_line(exc: BaseException) -> str:
-    """An exception's first line, for a one-line summary (a bare KeyboardInterrupt has
-    none: its type says it)."""
-    lines = str(exc).splitlines()
-    return lines[0].rstrip(":") if lines else type(exc).__name__
 
 
 def told(done: Restarted) -> str:
@@ -231,7 +225,9 @@ def restart(supervisor: Supervisor, *, rejoin: bool, grace: float, timeout: floa
                               deadline=time.monotonic())
     except CommandBlocked:
         dropped = False
-    alive = [r for r, proc in enumerate(ranks.procs) if proc.alive()]
+    # A rank whose CUDA context broke runs, but is replaced as the dead are.
+    alive = [r for r, proc in enumerate(ranks.procs)
+             if proc.alive() and r not in supervisor.lost]
     if rejoin and dropped:  # the survivors leave the failed step, wherever they wait in it
         abort_groups(supervisor, alive)
     new_epoch(supervisor)  # deaths from here on are this restart's business
@@ -240,6 +236,7 @@ def restart(supervisor: Supervisor, *, rejoin: bool, grace: float, timeout: floa
     gone = [r for r in range(supervisor.world_size) if r not in kept]
     takers = take_spares(supervisor, gone) if rejoin else {}  # the first ranks get them
     replace(supervisor, gone, takers)
+    supervisor.lost.clear()
     replaced = [r for r in gone if r not in takers]
     epoch = supervisor.epoch
     pongs = supervisor.ping(frozenset(replaced), deadline, timeout, "restart()", other)

@@ -121,6 +121,9 @@ class Supervisor:
         self.closing = False  # shutdown() began: a restart in progress gives up
         self.drop_through = 0  # shutdown() with calls in flight: the ranks skip up to it
         self.devices: list[str] = []  # each rank's device, once started
+        # Ranks whose CUDA context broke (Field.BROKEN): alive, but the next restart
+        # replaces them (restart.restart) as it does the dead.
+        self.lost: set[int] = set()
         self.last_ranks: tuple[RankInfo, ...] = ()  # the ranks' records when they ended
         self.load_seconds: dict[int, float] = {}  # each rank's last load() (READY)
         self.inputs = Ledger(shm_dir, self.shm_prefix, "in", keep_free=keep_free)
@@ -141,6 +144,7 @@ class Supervisor:
         self._start_timeout, self._keep_free = start_timeout, keep_free
         self._pinned_limit = pinned_limit
         self._group_timeout = timeouts.for_group(call_timeout)
+        self.pings = 0  # ping() exchanges so far: each PING's SEQ, echoed in its PONGs
         self.pings_sent = self.inits_sent = 0  # start-up's commands published (stress.py)
         # Each rank's place: its GPU, as an index among the visible ones (with Ray, its
         # bundle); its rank's, until a spare (which holds one after the ranks') takes
@@ -271,6 +275,9 @@ class Supervisor:
                     if gone not in replies:
                         asked.pop(gone, None)
                 continue
+            if kind == Kind.PONG and ask is not None and \
+                    header.get(Field.SEQ) != ask.command.get(Field.SEQ):
+                continue  # the answer to an earlier ping(), maybe of an ended process
             if ask is not None and (kind == ask.answer or kind in ask.acks):
                 heard.add(rank)
             if ask is not None and kind == ask.answer:
@@ -291,7 +298,9 @@ class Supervisor:
         """PING until each of ``ranks`` answered (PUB/SUB's slow joiner): their PONGs
         (``partial``: those that came by the deadline)."""
         assert self.ranks is not None
-        pongs = self.exchange([Ask({Field.KIND: Kind.PING, Field.SEQ: 0}, Kind.PONG, ranks)],
+        self.pings += 1  # a PONG to an earlier PING (a process since ended) is not one
+        pongs = self.exchange([Ask({Field.KIND: Kind.PING, Field.SEQ: self.pings}, Kind.PONG,
+                                   ranks)],
                          deadline - time.monotonic(), timeout, what, other=other,
                          partial=partial)
         if not partial:

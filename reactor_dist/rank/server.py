@@ -49,7 +49,7 @@ from typing import Any, NoReturn
 import psutil
 import zmq
 
-from ..device import choose_device, wait_for_device
+from ..device import choose_device, context_broken, wait_for_device
 from ..errors import SharedMemoryExhausted, describe, pickle_exception
 from ..shm import segments
 from ..shm.collective_ring import ring_name
@@ -475,6 +475,8 @@ class RankServer:
         del result
         if error is not None:
             reply[Field.ERROR] = describe(error)
+            if context_broken(error, self.device):  # the runner replaces this process
+                reply[Field.BROKEN] = True
             payload = [pickle_exception(error) or b""]
             error = None
         if log_records.written() != logged:  # the caller takes them in before it returns

@@ -178,6 +178,7 @@ class Field:
     DIGEST = "dg"  # CALL: true, rank 0 digests its result; REPLY: rank 0's digest (bytes)
     ALL = "all"  # CALL: true, every rank sends its result (runner.call_all), not rank 0 alone
     LOGGED = "lg"  # REPLY: true, the rank wrote log records during the call (log_records.py)
+    BROKEN = "bk"  # REPLY of a raise: true, the rank's CUDA context broke (device.py)
     STATES = "sts"  # CALL of restore: per rank [first body frame, frame count, descriptors]
 
 
