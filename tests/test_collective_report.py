@@ -107,11 +107,13 @@ def test_a_timeout_adds_each_ranks_torch_flight_recorder(case, world_size):
             runner.generate(case)
     block = str(caught.value).split("their torch groups' flight recorders:\n", 1)[1]
     got = dict(re.findall(r"^  rank (\d+): (.*)$", block.split("\nthe silent", 1)[0], re.M))
-    waiting = "not finished: gloo:all_reduce #4 of group default_pg ([4] Float), scheduled"
+    waiting = ("gloo's recorder: not finished: gloo:all_reduce #4 of group default_pg "
+               "([4] Float), scheduled")
     expected = {
-        "skip": "every one finished; the last: gloo:all_reduce #3 of group default_pg "
-                "([4] Float)",
-        "kind": "not finished: gloo:broadcast #3 of group default_pg ([4] Float), scheduled",
+        "skip": "gloo's recorder: every one finished; the last: gloo:all_reduce #3 of group "
+                "default_pg ([4] Float)",
+        "kind": "gloo's recorder: not finished: gloo:broadcast #3 of group default_pg ([4] "
+                "Float), scheduled",
     }
     if case == "kind":
         waiting = waiting.replace("#4", "#3")
@@ -240,7 +242,7 @@ def test_the_recorder_answer_area_keeps_the_newest_entries_that_fit():
             "profiling_name": name, "process_group": ("0", "default_pg"),
             "collective_seq_id": seq, "p2p_seq_id": 0, "is_p2p": False,
             "input_sizes": [[4, 2]], "input_dtypes": ["Float"], "state": "scheduled",
-            "retired": retired})
+            "retired": retired}, "gloo")
 
     ring = mapped_ring()
     try:
@@ -249,10 +251,10 @@ def test_the_recorder_answer_area_keeps_the_newest_entries_that_fit():
         count, entries = collective_ring.recorded(ring.mm)
         assert count == 1 and [e["collective_seq_id"] for e in entries] == [1, 2, 3]
         assert collective_ring.describe_recorded(entries) == (
-            "not finished: gloo:all_reduce #2 of group default_pg ([4, 2] Float), scheduled; "
-            "gloo:all_reduce #3 of group default_pg ([4, 2] Float), scheduled")
+            "gloo's recorder: not finished: gloo:all_reduce #2 of group default_pg ([4, 2] "
+            "Float), scheduled; gloo:all_reduce #3 of group default_pg ([4, 2] Float), scheduled")
         assert collective_ring.describe_recorded(entries[:1]) == (
-            "every one finished; the last: gloo:all_reduce #1 of group default_pg "
+            "gloo's recorder: every one finished; the last: gloo:all_reduce #1 of group default_pg "
             "([4, 2] Float)")
         assert collective_ring.describe_recorded([]) == "nothing recorded"
         many = [fr(n, True, name="gloo:" + "x" * 200) for n in range(200)]  # ~50 KB
@@ -262,6 +264,31 @@ def test_the_recorder_answer_area_keeps_the_newest_entries_that_fit():
         assert entries == many[-len(entries):]  # the newest kept
     finally:
         ring.mm.close()
+
+
+def test_a_cuda_ranks_recorders_are_merged_by_time_and_named():
+    """NCCL's recorder and gloo's, as a CUDA rank's group has both: their newest entries
+    in the order they were created, one both returned counted once, each named."""
+    from reactor_dist.rank import flight_recorder
+
+    def raw(seq: int, at: int, name: str, state: str = "completed") -> dict:
+        return {"profiling_name": name, "process_group": ("0", "default_pg"),
+                "collective_seq_id": seq, "p2p_seq_id": 0, "is_p2p": False,
+                "input_sizes": [[4]], "input_dtypes": ["Float"], "state": state,
+                "retired": state == "completed", "time_created_ns": at}
+
+    nccl = [raw(1, 100, "nccl:all_reduce"), raw(2, 300, "nccl:all_reduce", "started")]
+    gloo = [raw(1, 200, "gloo:all_gather"), raw(1, 100, "nccl:all_reduce")]
+    entries = flight_recorder.merged({"NCCL": nccl, "gloo": gloo})
+    assert [(e["recorder"], e["name"]) for e in entries] == [
+        ("NCCL", "nccl:all_reduce"), ("gloo", "gloo:all_gather"), ("NCCL", "nccl:all_reduce")]
+    assert collective_ring.describe_recorded(entries) == (
+        "NCCL and gloo's recorders, merged by time: not finished: nccl:all_reduce #2 of "
+        "group default_pg ([4] Float), started")
+    many = flight_recorder.merged({"gloo": [raw(n, n, "gloo:barrier") for n in range(20)]})
+    assert [e["collective_seq_id"] for e in many] == list(range(12, 20))  # the 8 newest
+    # A CPU rank reads gloo's alone: this torch has no NCCL recorder to ask for there.
+    assert set(flight_recorder.traces("cpu")) <= {"gloo"}
 
 
 def entry(seq: int, index: int, kind: str, state: int, shape: tuple[int, ...] = (4,),

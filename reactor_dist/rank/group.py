@@ -27,12 +27,23 @@ Getting out of a failed step: when a rank dies or stops answering, a survivor ma
 in a collective for it, or for another survivor that waits in a different one; gloo
 would hold them there until the group's timeout.  At a restart the runner sends every
 survivor :data:`~reactor_dist.wire.protocol.GROUP_ABORT_SIGNAL`; a thread of the rank that
-waits for nothing else (:func:`watch_abort`) then shuts down the TCP connections the
-group opened (``Rendezvous.abort``: gloo's own ``abort()`` leaves a waiting collective
-where it is), and aborts a CUDA group's NCCL communicators.  Every collective in flight
-then raises ("Connection closed by peer"), on this rank and on each peer it was
+waits for nothing else (:func:`watch_abort`) then aborts a CUDA group's NCCL
+communicators and shuts down the TCP connections the group opened (``Rendezvous.abort``:
+gloo's own ``abort()`` leaves a waiting collective where it is).  Every collective in
+flight then raises ("Connection closed by peer"), on this rank and on each peer it was
 connected to, the call fails as it already had, and the rank answers the restart's
 PING and keeps its model.  Subgroups a model forms itself (``new_group``) are its own.
+
+NCCL first: its bootstrap and proxy sockets are among the group's (``device_id=``
+connects them inside ``init_process_group``), and ``ncclCommAbort`` needs them; the
+sockets are held (dup) across it, so that a number NCCL frees is never another socket's
+when they are shut down.  An abort takes NCCL from a tenth of a second to seconds (gloo
+none), and two can be asked at once (the signal, and the REJOIN's ``leave_group``): it
+runs once per group, under ``Rendezvous.lock``, and a second ask waits for the first and
+then finds it done.  A signal the abort thread woke for is for the group of that moment
+(``Rendezvous.group``): one that comes to it after the group was left and a new one
+formed does nothing.  ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (placement/rank_env.py)
+keeps NCCL's watchdog from ending the process first.
 """
 
 from __future__ import annotations
@@ -77,7 +88,7 @@ def watch_abort(rendezvous: Rendezvous) -> None:
     def wait() -> None:
         while True:
             signal.sigwait({GROUP_ABORT_SIGNAL})
-            rendezvous.abort()
+            rendezvous.abort(rendezvous.group)  # the group of now, whenever it gets the lock
 
     threading.Thread(target=wait, name="reactor-dist-group-abort", daemon=True).start()
 
@@ -92,21 +103,43 @@ def socket_fds() -> set[int]:
     return found
 
 
-def shut_down_connections(fds: set[int]) -> int:
-    """Shut down each connected TCP socket of ``fds`` (listeners are left alone: gloo
-    ends the process when its listener fails); how many."""
-    count = 0
+def connections(fds: set[int]) -> list[socket.socket]:
+    """A hold (a dup) on each connected TCP socket of ``fds``; listeners are left out:
+    gloo ends the process when its listener fails."""
+    held = []
     for fd in sorted(fds):
         try:
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
             continue  # closed meanwhile
-        with sock, contextlib.suppress(OSError):
+        try:
             if sock.family in (socket.AF_INET, socket.AF_INET6) and \
                     not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                sock.shutdown(socket.SHUT_RDWR)
-                count += 1
-    return count
+                held.append(sock)
+                continue
+        except OSError:
+            pass
+        sock.close()
+    return held
+
+
+def shut_down(held: list[socket.socket]) -> int:
+    """Shut down (both ways) and let go of each socket of ``held``; how many."""
+    for sock in held:
+        with sock, contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+    return len(held)
+
+
+def abort_nccl() -> None:
+    """Abort every NCCL communicator of the rank's group (torch's own call, which also
+    forgets the group); nothing where torch has no such call or no group is left."""
+    import torch.distributed as dist
+
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            abort()
 
 
 class Rendezvous:
@@ -120,6 +153,10 @@ class Rendezvous:
         # client): what abort() shuts down.  Guarded: the abort thread reads them.
         self.lock = threading.Lock()
         self.group_fds: set[int] = set()
+        self.formed = 0  # groups formed so far
+        self.group = 0  # the number of the group of now (0: none)
+        self.aborted = 0  # the last group aborted (its number; 0: none)
+        self.aborts = 0  # aborts carried out (one per group at most)
         self.epoch = 0  # the group's generation (restart(): +1)
         self.timeout = timedelta(seconds=boot.start_timeout)
 
@@ -154,19 +191,28 @@ class Rendezvous:
                                 timeout=self.timeout, **group_options(device))
         with self.lock:
             self.device, self.group_fds = device, socket_fds() - before
+            self.formed += 1
+            self.group = self.formed
 
-    def abort(self) -> None:
-        """In the abort thread: every collective of the group in flight raises now, here
-        and on the peers (see the module's docstring); the group stays to be left."""
+    def abort(self, group: int) -> None:
+        """Every collective of group number ``group`` in flight raises now, here and on
+        the peers (see the module's docstring); the group stays to be left.  Once per
+        group: a second ask waits for the first, then finds it done; an ask for a group
+        already left does nothing."""
         with self.lock:
-            shut_down_connections(self.group_fds)
-            if self.device.startswith("cuda"):
-                import torch.distributed as dist
+            self._abort(group)
 
-                abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-                if abort is not None and dist.is_initialized():
-                    with contextlib.suppress(Exception):
-                        abort()
+    def _abort(self, group: int) -> None:  # under self.lock
+        if not group or group != self.group or group == self.aborted:
+            return
+        self.aborted = group
+        held = connections(self.group_fds)
+        try:
+            if self.device.startswith("cuda"):
+                abort_nccl()
+        finally:
+            shut_down(held)
+        self.aborts += 1
 
     def rejoin(self, device: str, epoch: int, port: int, ack: Callable[[int], None]) -> float:
         """restart(), on a rank that keeps its model: leave the old group, ``ack`` (with
@@ -183,17 +229,20 @@ class Rendezvous:
 
     def leave_group(self, device: str) -> None:
         """restart(), on a rank that keeps its model: the old group goes (a CUDA group is
-        aborted: NCCL's destroy may wait for a peer that is gone), and its store."""
+        aborted: NCCL's destroy may wait for a peer that is gone), and its store.  The
+        restart's abort signal, sent before the REJOIN that brought us here, is taken
+        here if the abort thread has not taken it yet: the abort then runs once, in
+        this thread, and a late wake of that thread finds the group gone."""
         import torch.distributed as dist
 
         with self.lock:
-            self.group_fds = set()  # closed below: their numbers may be reused
-        if dist.is_initialized():
-            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-            if device.startswith("cuda") and abort is not None:
-                abort()
-            else:
-                dist.destroy_process_group()
+            signal.sigtimedwait({GROUP_ABORT_SIGNAL}, 0)  # the restart's, if still pending
+            self._abort(self.group)  # peers may wait on us in the failed step
+            if not device.startswith("cuda") and dist.is_initialized():
+                dist.destroy_process_group()  # (NCCL's abort forgot a CUDA group already;
+                #                                 its destroy could wait for a peer gone)
+            self.group_fds = set()  # closed: their numbers may be reused
+            self.group = 0  # an abort asked for the old group does nothing
         self.store = None
 
     def serve_calls(self) -> None:

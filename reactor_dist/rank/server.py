@@ -284,7 +284,7 @@ class RankServer:
         (collective_wait), and torch's flight recorder written there when asked."""
         self.waits = collective_wait.install(device, self.ring_path(), self.world_size)
         if self.waits.ring is not None:
-            flight_recorder.answer(self.waits.ring)
+            flight_recorder.answer(self.waits.ring, device)
 
     def ring_path(self) -> str:
         """This rank's collective ring, made by the caller (collective_ring)."""

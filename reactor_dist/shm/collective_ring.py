@@ -248,11 +248,13 @@ def read(buffer: mmap.mmap | bytes) -> list[Entry]:
     return entries
 
 
-def recorder_entry(entry: dict) -> dict:
-    """One entry of torch's flight recorder dump, cut to what :func:`describe_recorded`
-    shows (the rank's side; the keys of the answer area's JSON)."""
+def recorder_entry(entry: dict, recorder: str) -> dict:
+    """One entry of torch's flight recorder dump (``recorder``'s: "NCCL" or "gloo"), cut
+    to what :func:`describe_recorded` shows (the rank's side; the keys of the answer
+    area's JSON)."""
     group = entry.get("process_group")
     return {
+        "recorder": recorder,
         "name": entry.get("profiling_name"),
         "group": group[1] if isinstance(group, (list, tuple)) and len(group) > 1 else group,
         "collective_seq_id": entry.get("collective_seq_id"),
@@ -289,8 +291,8 @@ def recorded(buffer: mmap.mmap | bytes) -> tuple[int, list[dict]]:
 
 
 def describe_recorded(entries: list[dict]) -> str:
-    """One rank's flight recorder in a line: the collectives it has not finished (the
-    oldest first), else the last it finished."""
+    """One rank's flight recorders in a line: which were read, the collectives it has
+    not finished (the oldest first), else the last it finished."""
     if not entries:
         return "nothing recorded"
 
@@ -301,10 +303,14 @@ def describe_recorded(entries: list[dict]) -> str:
         seq = e.get("p2p_seq_id") if e.get("is_p2p") else e.get("collective_seq_id")
         return f"{e.get('name', '?')} #{seq} of group {e.get('group', '?')} ({what})"
 
+    read = sorted({str(e.get("recorder", "?")) for e in entries})
+    which = f"{read[0]}'s recorder" if len(read) == 1 else \
+        f"{' and '.join(read)}'s recorders, merged by time"
     open_ = [e for e in entries if not e.get("retired")]
     if open_:
-        return "not finished: " + "; ".join(f"{one(e)}, {e.get('state', '?')}" for e in open_)
-    return f"every one finished; the last: {one(entries[-1])}"
+        return f"{which}: not finished: " + "; ".join(f"{one(e)}, {e.get('state', '?')}"
+                                                      for e in open_)
+    return f"{which}: every one finished; the last: {one(entries[-1])}"
 
 
 def group_key(ranks: Sequence[int], world_size: int) -> tuple[int, tuple[int, ...]]:
