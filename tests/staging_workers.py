@@ -34,6 +34,10 @@ def made(kind: str, step: int) -> Any:
         return torch.rand(2 * MB, generator=g) > 0.5
     if kind == "transposed":
         return torch.randn(1024, 768, generator=g).t()
+    if kind == "conj":  # a conjugate view: the conjugation is a bit on the tensor
+        return torch.randn(MB, dtype=torch.complex64, generator=g).conj()
+    if kind == "neg":  # a negative view, as x.conj().imag makes one
+        return torch._neg_view(torch.randn(2 * MB, generator=g))
     if kind == "small":
         return torch.randn(64, 64, generator=g)
     raise ValueError(kind)
@@ -65,6 +69,8 @@ class Staged(DistributedWorker):
             return (t for t in tensors)
         if how == "staged":  # how many tensors rank 0 staged so far
             return rank_memory_of(self).result_staging.staged
+        if how == "resolved":  # how many conjugate or negative views it made plain
+            return rank_memory_of(self).result_staging.resolved
         raise ValueError(how)
 
     def reset(self) -> None:

@@ -73,6 +73,18 @@ def test_each_kind_of_result_arrives_as_the_same_tensor_over_shared_memory(
             assert torch.equal(tensor, want.contiguous())
 
 
+def test_a_conjugate_or_negative_view_is_made_plain_before_its_copy(staged2):
+    """Issue 54: on a GPU the async copy would apply the view's bit to the target before
+    the bytes land; the staged result holds the view's values, the bit resolved."""
+    before = staged2.generate(("resolved", [], 0))
+    got = staged2.generate(("list", ["conj", "neg"], 4))
+    assert staged2.generate(("resolved", [], 0)) == before + 2
+    for tensor, kind in zip(got, ["conj", "neg"], strict=True):
+        want = made(kind, 4)
+        assert not tensor.is_conj() and not tensor.is_neg() and in_results(tensor)
+        assert torch.equal(tensor, want.resolve_conj().resolve_neg())
+
+
 def test_each_item_of_a_stream_is_staged(staged2):
     kinds = ["uint8", "bfloat16", "transposed"]
     for step in range(2):

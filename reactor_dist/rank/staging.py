@@ -75,6 +75,7 @@ class ResultStaging:
         self.pending: list[tuple[Any, Any]] = []  # (source, target) until wait()
         self.hinted = False
         self.staged = 0  # tensors staged so far (tests read it through a worker)
+        self.resolved = 0  # conjugate or negative views made plain before their copy
 
     def wants(self, tensor: Any) -> bool:
         """Whether ``tensor`` (a torch tensor or storage) is staged rather than copied
@@ -96,6 +97,12 @@ class ResultStaging:
         import torch
 
         source = tensor.detach()
+        if source.is_conj() or source.is_neg():
+            # A conjugate or negative view is a bit on the tensor: an async copy_ on the
+            # copy stream applies it to the target before the bytes land (checked on torch
+            # 2.11 with CUDA), so the bytes are made plain first, on the current stream.
+            source = source.resolve_conj().resolve_neg()
+            self.resolved += 1
         if not source.is_contiguous():
             try:
                 source = source.contiguous()
@@ -158,6 +165,8 @@ class InputStaging:
         self.device, self.cpu_too = device, cpu_too
         self.dma: dict[str, SharedReadView] = {}
         self.fast = 0  # copies that took the registered mapping (tests read it)
+        self.unmappable: set[str] = set()  # input segments whose view failed to map
+        self.told = False  # the one log record of a failed mapping
 
     def to_device(self, x: Any, non_blocking: bool = True) -> Any:
         """``x`` (a numpy array or a CPU tensor) as a tensor on this rank's device."""
@@ -204,8 +213,21 @@ class InputStaging:
             return None
         dma = self.dma.get(name)
         if dma is None:
-            dma = self.dma[name] = SharedReadView(self.directory, name)
-            self.pinning.pin(dma, read_only=True)
+            if name in self.unmappable:
+                return None
+            try:
+                dma = SharedReadView(self.directory, name)
+            except (OSError, ValueError) as exc:  # no room for another mapping, a limit
+                self.unmappable.add(name)
+                if not self.told:
+                    self.told = True
+                    log.warning("reactor_dist: the read-only view of input segment %s "
+                                "could not be mapped (%s); inputs go to the GPU by the "
+                                "plain copy (slower)", name, exc)
+                return None
+            self.dma[name] = dma
+        if dma.name not in self.pinning.registered:  # again at each use: CUDA may be up
+            self.pinning.pin(dma, read_only=True)  # now, or the limit have room
         raw = np.frombuffer(dma.buffer, np.uint8)[offset:offset + nbytes]
         if isinstance(dtype, torch.dtype):
             return torch.from_numpy(raw).view(dtype).view(shape)
@@ -213,6 +235,7 @@ class InputStaging:
 
     def unmapped(self, name: str) -> None:
         """The rank unmaps input segment ``name``: its registered mapping goes first."""
+        self.unmappable.discard(name)
         dma = self.dma.pop(name, None)
         if dma is None:
             return
