@@ -15,7 +15,7 @@ RAY_SPEC ?= ray==2.60.0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER = 0
 export RAY_USAGE_STATS_ENABLED = 0
 
-.PHONY: venv venv-ray venv-models docs docs-check chromium docs-serve test test-slow prometheus metrics-dashboard stress chaos demo bench bench-quick bench-per-call bench-pipelined bench-recovery bench-sessions gpu-check gpu-check-here lint clean
+.PHONY: venv venv-ray venv-models docs docs-check chromium docs-serve test test-slow prometheus metrics-dashboard stress chaos demo bench bench-quick bench-per-call bench-pipelined bench-recovery bench-sessions gpu-check gpu-check-venv gpu-check-here lint clean
 
 venv: $(VENV)/.installed
 
@@ -124,7 +124,14 @@ bench-sessions: venv
 # First contact with this machine's GPUs (all of them, up to 8): the GPU-marked tests at
 # world_size N with NCCL, the README Quickstart, the demo on CUDA, frame timings; one table,
 # under 8 minutes. A driver without CUDA in torch fails (see TORCH_SPEC); no GPU: exit 0.
-gpu-check: venv-models
+# Where the environment you are in has a CUDA build of torch (an offline GPU machine with
+# its own torch), gpu-check runs there, as gpu-check-here does; else in .venv.
+gpu-check:
+	@if $(PYTHON) -c "import sys, torch; sys.exit(torch.version.cuda is None)" 2>/dev/null; \
+	then $(MAKE) --no-print-directory gpu-check-here; \
+	else $(MAKE) --no-print-directory gpu-check-venv; fi
+
+gpu-check-venv: venv-models
 	$(PY) -m benchmarks.gpu_check
 
 # The same in the environment you are in, installing nothing and making no venv: for
