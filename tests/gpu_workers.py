@@ -52,6 +52,11 @@ class OnGpu(DistributedWorker):
             if self.rank == self.slow:
                 torch.cuda._sleep(self.spin)
             return float(self.ones.sum().item()) if self.rank == 0 else None
+        if what == "out_of_bounds":  # a kernel reads past its tensor: a sticky error
+            if self.rank == self.world_size - 1:
+                x = torch.zeros(4, device=self.device)
+                x[torch.tensor([1 << 20], device=self.device)].sum().item()
+            return "returned"
         raise ValueError(f"unknown check {what!r}")
 
 

@@ -325,3 +325,39 @@ def test_a_shape_mismatch_in_an_nccl_all_reduce_is_named_from_the_rings():
     assert str(caught.value).split("\n")[0] == (
         "all_reduce #1 of call 2: rank 0 has [4] float32, rank 1 has [8] float32 — the "
         "shapes differ")
+
+
+def test_a_kernel_that_reads_out_of_bounds_loses_its_rank_and_restart_replaces_it():
+    """Issue 54 on a GPU, at world size 1: an index kernel reads past its tensor (a
+    device-side assert, sticky: every later CUDA call of that process fails); the call
+    is CudaContextBroken, and after restart() a new process answers."""
+    from reactor_dist import CudaContextBroken
+
+    with runner(world_size=1) as r:
+        pid = r.ranks[0].pid
+        with pytest.raises(CudaContextBroken, match="the CUDA context of rank 0 is broken"):
+            r.generate("out_of_bounds")
+        r.restart()
+        assert r.ranks[0].pid != pid
+        assert r.generate("cuda_tensor").tolist() == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_hung_nccl_all_reduce_is_reported_from_nccls_recorder():
+    """Issue 54: the last rank skips an all_reduce of CUDA tensors; the timeout's report
+    reads NCCL's flight recorder (with gloo's, merged by time) and says so."""
+    import re
+
+    from collective_workers import Collectives
+
+    from reactor_dist import WorkerTimeout
+
+    with DistributedRunner(Collectives, world_size=2, device="cuda", call_timeout=10.0,
+                           shutdown_grace=1.0) as r:
+        r.generate("ok")
+        with pytest.raises(WorkerTimeout) as caught:
+            r.generate("skip")
+    block = str(caught.value).split("their torch groups' flight recorders:\n", 1)[1]
+    got = dict(re.findall(r"^  rank (\d+): (.*)$", block.split("\nthe silent", 1)[0], re.M))
+    assert got["0"].startswith("NCCL") and "nccl:all_reduce" in got["0"], got
+    assert "not finished: " in got["0"], got
