@@ -5,15 +5,20 @@ NUMA node, as a ``launch_prefix``::
 
 ``numactl --cpunodebind={rank}`` would name node 5 for rank 5, which a 2-socket, 8-GPU
 machine does not have: a GPU's node is where its PCI device sits.  The rank's GPU is the
-``RANK``-th of ``CUDA_VISIBLE_DEVICES`` (numbers) or, unset, GPU ``RANK``; NVIDIA devices
-are counted in PCI bus order (``nvidia-smi``'s; ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes
-CUDA's the same), and the node is the device's ``numa_node`` in sysfs.  Where that cannot
+``RANK``-th CUDA device this process sees, and its PCI device is the one whose bus id
+CUDA's driver reports for it (``cuDeviceGetPCIBusId``: right inside a container given
+some GPUs with ``--gpus``, where sysfs still lists every GPU of the machine).  Without the
+driver's library, the GPU is the ``RANK``-th of ``CUDA_VISIBLE_DEVICES`` (numbers) or,
+unset, GPU ``RANK``, NVIDIA devices counted in PCI bus order (``nvidia-smi``'s;
+``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes CUDA's the same).  The node is the device's
+``numa_node`` in sysfs.  Where that cannot
 be found (no NVIDIA device, a machine without NUMA: ``-1``), CMD runs unbound, with a
 note on stderr.  Memory follows the CPUs by first touch.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 
@@ -57,6 +62,33 @@ def physical_gpu(rank: int) -> int | None:
     return None
 
 
+def bus_id(text: str) -> str | None:
+    """CUDA's PCI bus id ("0000:3B:00.0", or NVML's 8-digit domain) as sysfs names the
+    device ("0000:3b:00.0"); None where it is no such id."""
+    try:
+        domain, bus, rest = text.strip().split(":")
+        device, function = rest.split(".")
+        return f"{int(domain, 16):04x}:{int(bus, 16):02x}:{int(device, 16):02x}." \
+               f"{int(function, 16):x}"
+    except ValueError:
+        return None
+
+
+def cuda_bus_id(index: int) -> str | None:
+    """The PCI bus id CUDA's driver reports for its ``index``-th visible device (honouring
+    CUDA_VISIBLE_DEVICES, UUIDs too); None without the driver or such a device.  The
+    driver API alone: no runtime context is made, and CMD gets the GPU as it was."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    handle, text = ctypes.c_int(), ctypes.create_string_buffer(64)
+    if driver.cuInit(0) != 0 or driver.cuDeviceGet(ctypes.byref(handle), index) != 0 or \
+            driver.cuDeviceGetPCIBusId(text, len(text), handle) != 0:
+        return None
+    return bus_id(text.value.decode(errors="replace"))
+
+
 def node_cpus(node: int) -> set[int]:
     """The CPUs of NUMA node ``node`` (its cpulist: "0-3,8-11")."""
     cpus: set[int] = set()
@@ -70,6 +102,16 @@ def node_cpus(node: int) -> set[int]:
 
 def gpu_node(rank: int) -> tuple[int | None, str]:
     """``rank``'s GPU's NUMA node, or None and why not."""
+    found = cuda_bus_id(rank)
+    device = os.path.join(sysfs(), "bus", "pci", "devices", found) if found else ""
+    if device and os.path.isdir(device):
+        try:
+            node = int(read(os.path.join(device, "numa_node")))
+        except (OSError, ValueError):
+            node = -1
+        if node < 0:
+            return None, f"CUDA device {rank} ({found}) has no NUMA node"
+        return node, ""
     gpu = physical_gpu(rank)
     if gpu is None:
         return None, f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} " \

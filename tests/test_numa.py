@@ -75,3 +75,16 @@ def test_the_docs_numa_launch_prefix_binds_each_rank(two_socket_eight_gpus, monk
     with DistributedRunner(CpuAffinity, world_size=2, device="cpu", gpus=[3, 4],
                            launch_prefix=scope["launch_prefix"]) as runner:
         assert runner.generate(None) == [[FIRST], [LAST]]
+
+
+def test_cudas_pci_bus_id_is_read_as_sysfs_names_the_device():
+    """Issue 54: the GPU's PCI device is the one CUDA's driver names (right inside a
+    container given some GPUs, where sysfs order is not CUDA's); its id in either of
+    the driver's spellings maps to sysfs's directory name, anything else to None."""
+    from reactor_dist.numa import bus_id, cuda_bus_id
+
+    assert bus_id("0000:3B:00.0") == "0000:3b:00.0"
+    assert bus_id("00000000:DB:00.0") == "0000:db:00.0"
+    assert bus_id("GPU-5c1e") is None and bus_id("") is None
+    if not os.path.exists("/dev/nvidiactl"):
+        assert cuda_bus_id(0) is None  # no driver here: the sysfs order is the fallback
