@@ -123,12 +123,11 @@ def connections(fds: set[int]) -> list[socket.socket]:
     return held
 
 
-def shut_down(held: list[socket.socket]) -> int:
-    """Shut down (both ways) and let go of each socket of ``held``; how many."""
+def shut_down(held: list[socket.socket]) -> None:
+    """Shut down (both ways) and let go of each socket of ``held``."""
     for sock in held:
         with sock, contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
-    return len(held)
 
 
 def abort_nccl() -> None:
