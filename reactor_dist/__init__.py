@@ -38,6 +38,7 @@ __all__ = [
     "CudaContextBroken",
     "DistributedRunner",
     "DistributedWorker",
+    "External",
     "FileLimitTooLow",
     "MainGuardMissing",
     "PlacementFailed",
@@ -62,12 +63,13 @@ if TYPE_CHECKING:
     from .caller.aio import AsyncStream
     from .caller.runner import DistributedRunner
     from .caller.stream import Stream
+    from .placement.external import External
     from .placement.template import close_rank_templates, set_rank_template_idle
 
 _TEMPLATE_NAMES = ("close_rank_templates", "set_rank_template_idle")
 # What runner.stream() and runner.astream() return, for annotations.
 _CALLER_NAMES = {"DistributedRunner": ".caller.runner", "Stream": ".caller.stream",
-                 "AsyncStream": ".caller.aio"}
+                 "AsyncStream": ".caller.aio", "External": ".placement.external"}
 
 
 def __getattr__(name: str) -> Any:

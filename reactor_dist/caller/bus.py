@@ -187,20 +187,26 @@ class Bus:
         self.auth.start()
         self.auth.configure_curve_callback(domain=ZAP_DOMAIN,
                                            credentials_provider=_Admitted(clients))
-        host = f"[{address}]" if ":" in address else address
-        addresses = []
-        for sock in (self.pub, self.pull, self.spare_pull):
-            if sock is None:
-                addresses.append("")
-                continue
-            if ":" in address:
-                sock.setsockopt(zmq.IPV6, 1)
-            sock.curve_server, sock.curve_secretkey, sock.curve_publickey = True, secret, public
-            sock.zap_domain = ZAP_DOMAIN.encode()
-            port = sock.bind_to_random_port(f"tcp://{host}")
-            addresses.append(f"tcp://{host}:{port}")
-        self.server_key = public
+        self.server_key, self._server_secret = public, secret
+        addresses = [self.bind_secure(sock, address) if sock is not None else ""
+                     for sock in (self.pub, self.pull, self.spare_pull)]
         return addresses[0], addresses[1], addresses[2], public
+
+    def bind_secure(self, sock: zmq.Socket, address: str, port: int = 0) -> str:
+        """Bind ``sock`` (of this bus's context) on TCP at ``address`` (``port`` 0: a free
+        one) as a CurveZMQ server under the bus's keypair (:meth:`open_tcp` made it), only
+        the admitted clients' keys let in; the endpoint bound."""
+        host = f"[{address}]" if ":" in address else address
+        if ":" in address:
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.curve_server, sock.curve_publickey = True, self.server_key
+        sock.curve_secretkey = self._server_secret
+        sock.zap_domain = ZAP_DOMAIN.encode()
+        if port:
+            sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+        return f"tcp://{host}:{port}"
 
     def publish(self, header: dict[str, Any], body: list | tuple = (),
                 deadline: float | None = None) -> bool:
@@ -336,6 +342,12 @@ class _Admitted:
 
     def __init__(self, keys: set[bytes]) -> None:
         self.keys = keys
+        self.refused: set[bytes] = set()  # each refused key logged once (it reconnects)
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return domain == ZAP_DOMAIN and key in self.keys
+        admitted = domain == ZAP_DOMAIN and key in self.keys
+        if not admitted and key not in self.refused:
+            self.refused.add(key)
+            log.warning("refused a connection to the runner's bus: its CurveZMQ key is not "
+                        "one this runner gave out (a wrong join secret, or another runner's)")
+        return admitted

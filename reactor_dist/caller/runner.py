@@ -31,6 +31,7 @@ from typing import Any
 
 from ..errors import RankInfo
 from ..main_guard import check_defined_where_ranks_run
+from ..placement.external import External
 from ..placement.ray_group import check_ray_options, placement_for
 from ..shm.segments import DEFAULT_DIR
 from ..timeouts import check_grace
@@ -108,8 +109,10 @@ class DistributedRunner:
     :param rank_output: "stderr" (each rank's output lines, ``[rank N]``-prefixed, on
         this process's stderr) or "log" (INFO records of the ``reactor_dist.rank``
         logger); a rank's own logging records go to the application's loggers either way.
-    :param placement: "local" (processes on this machine) or "ray" (a Ray placement
-        group: see :mod:`reactor_dist.placement.ray_group`).
+    :param placement: "local" (processes on this machine), "ray" (a Ray placement
+        group: see :mod:`reactor_dist.placement.ray_group`), or "external" (an
+        :class:`~reactor_dist.placement.external.External`: ranks that another launcher,
+        torchrun or srun, starts with ``reactor-dist-rank --join``; start() waits for them).
     :param ray_bundle: with ``placement="ray"``, each rank's bundle (default
         ``{"GPU": 1}`` for CUDA, ``{"CPU": 1}`` for CPU).
     :param ray_strategy: with ``placement="ray"``: "PACK", "SPREAD", "STRICT_PACK" or
@@ -147,7 +150,7 @@ class DistributedRunner:
                  env: dict[str, str] | None = None, launch_prefix: Sequence[str] = (),
                  shm_dir: str = DEFAULT_DIR, keep_free_segments: int = 2,
                  shutdown_grace: float = 5.0, rank_output: str = "stderr",
-                 placement: str = "local", ray_bundle: dict[str, float] | None = None,
+                 placement: str | External = "local", ray_bundle: dict[str, float] | None = None,
                  ray_strategy: str = "PACK", max_in_flight: int = 2, max_restarts: int = 0,
                  restart_window: float = 600.0, spares: int = 0, snapshot_every: int = 0,
                  retry_failed: bool = False, pinned_limit: int = PINNED_LIMIT,
@@ -177,6 +180,7 @@ class DistributedRunner:
         validation.check_spares(spares, worker_cls, gpus, world_size)
         ray = check_ray_options(placement, ray_bundle, ray_strategy)
         validation.check_placed_options(ray is not None, gpus, rank_output)
+        self._placement = placement if isinstance(placement, str) else "external"
         validation.warn_if_cores_short(world_size, device, placement)
         env = {str(k): str(v) for k, v in (env or {}).items()}
         if not record_collectives and not any(name in env or name in os.environ
@@ -184,7 +188,6 @@ class DistributedRunner:
             env[RECORDER_SIZE_ENV[0]] = "0"  # torch's flight recorder off too
         self._gpus, self._device = gpus, device
         self._worker_cls = worker_cls  # call(name): its public methods
-        self._placement = placement
         if where.module == "__main__":
             # Ranks define __main__'s classes as __mp_main__ (like multiprocessing): alias
             # it here so their pickles (results, exceptions) resolve in this process.
@@ -194,7 +197,8 @@ class DistributedRunner:
             ray, world_size=world_size, device=device, env=env,
             launch_prefix=[str(p) for p in launch_prefix], gpus=gpus, rank_output=rank_output,
             start_timeout=self.start_timeout, spares=spares,
-            imports_torch=bool(init_process_group) and world_size > 1)
+            imports_torch=bool(init_process_group) and world_size > 1,
+            worker=f"{where.module}:{where.qualname}")
         self._supervisor = Supervisor(
             worker=where, world_size=world_size, load_kwargs=kwargs,
             init_process_group=bool(init_process_group), device=device,
@@ -277,8 +281,15 @@ class DistributedRunner:
 
     @property
     def placement(self) -> str:
-        """Where the ranks run: "local" or "ray"."""
+        """Where the ranks run: "local", "ray" or "external"."""
         return self._placement
+
+    @property
+    def join_command(self) -> str:
+        """With placement="external": the command that starts one rank (start() prints it
+        too), once start() has bound the join socket; "" before, and for the other
+        placements."""
+        return getattr(self._supervisor.placement, "join_command", "")
 
     @property
     def closed(self) -> bool:

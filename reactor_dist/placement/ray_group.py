@@ -45,6 +45,7 @@ from ..errors import PlacementFailed, WorkerTimeout
 from ..wire import framing
 from ..wire.protocol import MAX_FRAME_ENV, MAX_MESSAGE_ENV, Bootstrap, torchrun_env
 from .base import DeathWatch, Placement, Rank, Ranks
+from .external import External, ExternalGroup, check_external
 from .local import LocalPlacement
 from .ray_host import RankHost
 from .ray_view import THREADS_ENV, check_own_gpus, connect, local_place
@@ -77,9 +78,17 @@ class RaySpec:
     strategy: str
 
 
-def check_ray_options(placement: str, bundle: Any, strategy: Any) -> RaySpec | None:
-    if placement not in ("local", "ray"):
-        raise ValueError(f"placement must be 'local' or 'ray', got {placement!r}")
+def check_ray_options(placement: str | External, bundle: Any,
+                      strategy: Any) -> RaySpec | External | None:
+    """The placement's options: None for "local", a RaySpec for "ray", an External for
+    "external" (or the External given)."""
+    if isinstance(placement, External):
+        return placement
+    if placement not in ("local", "ray", "external"):
+        raise ValueError(f"placement must be 'local', 'ray', 'external' or an "
+                         f"External(...), got {placement!r}")
+    if placement == "external":
+        return External()
     if strategy not in STRATEGIES:
         raise ValueError(f"ray_strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if bundle is not None:
@@ -95,12 +104,16 @@ def check_ray_options(placement: str, bundle: Any, strategy: Any) -> RaySpec | N
     return RaySpec(bundle, strategy)
 
 
-def placement_for(spec: RaySpec | None, *, world_size: int, device: str,
+def placement_for(spec: RaySpec | External | None, *, world_size: int, device: str,
                   env: dict[str, str], launch_prefix: list[str], gpus: list[int] | None,
                   rank_output: str, start_timeout: float | None, spares: int = 0,
-                  imports_torch: bool = False) -> Placement:
+                  imports_torch: bool = False, worker: str = "") -> Placement:
     """The runner's placement: ``spec`` (check_ray_options) None is placement="local";
-    ``imports_torch``: its ranks form a torch group."""
+    ``imports_torch``: its ranks form a torch group; ``worker``: its class, as a joined
+    rank's --worker names it (module:Class)."""
+    if isinstance(spec, External):
+        check_external(spares, launch_prefix, worker)
+        return ExternalGroup(world_size, spec, worker, start_timeout)
     if spec is None:
         return LocalPlacement(world_size, env=env, gpus=gpus, launch_prefix=launch_prefix,
                               output=rank_output, torch=imports_torch)

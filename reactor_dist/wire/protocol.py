@@ -445,6 +445,59 @@ def torchrun_env(rank: int, world_size: int, master_port: int,
             "MASTER_PORT": str(master_port)}
 
 
+# -- a rank another launcher started (reactor_dist.rank.join <-> placement.external) ---
+# ``reactor-dist-rank --join ADDRESS`` connects a DEALER, CurveZMQ as a client, to the
+# runner's join socket (a ROUTER; the bus's server key, only the join key admitted);
+# each message is one msgpack map whose JOIN_KIND is a :class:`Join`::
+#
+#     joiner                                  runner (placement.external.ExternalGroup)
+#     hello   {version, wire, rank, world_size, local_rank, worker, host, pid, address,
+#              port, probe: [name, content] (a /dev/shm file: do we share memory?)}
+#                        <- welcome {bootstrap (protocol.Bootstrap.to_bytes), torch_env}
+#                        <- refused {why}: the joiner says why and exits 2
+#     started {pid}   its rank process runs
+#     beat    {}      every BEAT_EVERY s both ways: silent JOIN_SILENCE s, the peer is gone
+#                        <- signal {sig, group}   <- stacks {}   <- stopped {}
+#     stacks  {text}  stopped {value}
+#                        <- end {grace, term_grace, code}: end the rank, exit ``code``
+#     ended   {}      died {report, returncode, lines}: its rank died; the joiner exits 1
+JOIN_KIND = "j"
+JOIN_SECRET_ENV = "REACTOR_DIST_JOIN_SECRET"  # the join secret, where no file holds it
+JOIN_BEAT_EVERY = 0.1  # seconds between two beats, each way
+JOIN_SILENCE = 0.8  # seconds without a message after which the peer counts as gone
+
+
+class Join:
+    """The kinds of the join socket's messages (the table above)."""
+
+    HELLO = "hello"
+    WELCOME = "welcome"
+    REFUSED = "refused"
+    STARTED = "started"
+    BEAT = "beat"
+    SIGNAL = "signal"
+    STACKS = "stacks"
+    STOPPED = "stopped"
+    END = "end"
+    ENDED = "ended"
+    DIED = "died"
+
+
+def join_secret(server_key: bytes, client_secret: bytes) -> str:
+    """The one string a joiner needs besides the address: the runner's public key and
+    the join key's secret half (CurveZMQ, z85), joined by a colon."""
+    return f"{server_key.decode()}:{client_secret.decode()}"
+
+
+def split_join_secret(text: str) -> tuple[bytes, bytes]:
+    """(server public key, client secret key) of :func:`join_secret`'s string."""
+    server, _, client = text.strip().partition(":")
+    if len(server) != 40 or len(client) != 40:
+        raise ValueError("a join secret is two 40-character CurveZMQ keys joined by ':' "
+                         "(the runner writes it to its secret file)")
+    return server.encode(), client.encode()
+
+
 # -- the rank template (reactor_dist.placement.template): one datagram each way on a socket pair ---
 # Its socket's fd, in the environment the runner starts the template with.
 TEMPLATE_FD_ENV = "REACTOR_DIST_TEMPLATE_FD"
