@@ -36,13 +36,16 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .. import __version__
+from ..caller.bus import reclaim_dead_ipc_dirs
 from ..placement.base import Ranks
 from ..placement.local import RankProcess
+from ..shm import segments
 from ..wire.protocol import (
     JOIN_BEAT_EVERY,
     JOIN_KIND,
     JOIN_SECRET_ENV,
     JOIN_SILENCE,
+    OWNER_LOCK,
     WIRE_VERSION,
     Bootstrap,
     Join,
@@ -50,6 +53,7 @@ from ..wire.protocol import (
 )
 
 POLL_MS = 20
+RECLAIM_WITHIN = 1.0  # seconds a dead runner's owner lock may take to come free
 REFUSED = 2  # the exit code of a join the runner refused, or that nobody answered
 # Where a launcher says which rank a process is: (its name, rank, world size, local rank).
 LAUNCHERS = (("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
@@ -169,6 +173,7 @@ class Joiner:
         self.ranks = Ranks(lambda dead: None)
         self.answers: list[dict[str, Any]] = []  # from helper threads, sent by the loop
         self.probe = ""
+        self.boot: Bootstrap | None = None  # once welcomed
 
     def send(self, message: dict[str, Any]) -> None:
         with contextlib.suppress(zmq.ZMQError):
@@ -243,6 +248,7 @@ class Joiner:
                                  env={}, gpus=None, launch_prefix=[],
                                  torch_env=dict(welcome["torch_env"]))
         self.ranks.add(proc)
+        self.boot = boot
         self.send({JOIN_KIND: Join.STARTED, "pid": proc.pid})
         return proc
 
@@ -259,7 +265,9 @@ class Joiner:
                 self.send(self.answers.pop(0))
             now = time.monotonic()
             if not proc.alive():
-                self.send({JOIN_KIND: Join.DIED, "report": proc.crash_report(),
+                report = proc.crash_report().replace(  # where it ran, for the runner
+                    f"(pid {proc.pid})", f"(pid {proc.pid} on {socket.gethostname()})", 1)
+                self.send({JOIN_KIND: Join.DIED, "report": report,
                            "returncode": proc.poll(), "lines": proc.report_lines()})
                 self.ranks.end(0.0, 0.5)
                 return 1
@@ -274,10 +282,25 @@ class Joiner:
                 print(f"reactor-dist-rank: the runner at {self.endpoint} fell silent: rank "
                       f"{self.rank} ends", file=sys.stderr, flush=True)
                 self.ranks.end(0.0, 0.5)
+                self.reclaim()
                 return 0
             if now - beat >= JOIN_BEAT_EVERY:
                 beat = now
                 self.send({JOIN_KIND: Join.BEAT})
+
+    def reclaim(self) -> None:
+        """The runner fell silent: if it shared this machine's memory and is dead (its
+        owner lock free), remove what it left in /dev/shm and /tmp, as its own ranks
+        would (never a live runner's: another runner's start() does the same)."""
+        boot = self.boot
+        if boot is None or not boot.shared_memory:
+            return
+        lock = os.path.join(boot.shm_dir, f"{boot.shm_prefix}.{OWNER_LOCK}")
+        deadline = time.monotonic() + RECLAIM_WITHIN
+        while os.path.lexists(lock) and time.monotonic() < deadline:
+            segments.reclaim_dead_owners(boot.shm_dir)  # a SIGKILLed owner may still exit
+            time.sleep(0.05)
+        reclaim_dead_ipc_dirs()
 
     def answer(self, message: dict[str, Any], proc: RankProcess) -> int | None:
         kind = message[JOIN_KIND]

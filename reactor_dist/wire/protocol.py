@@ -485,17 +485,18 @@ class Join:
 
 def join_secret(server_key: bytes, client_secret: bytes) -> str:
     """The one string a joiner needs besides the address: the runner's public key and
-    the join key's secret half (CurveZMQ, z85), joined by a colon."""
-    return f"{server_key.decode()}:{client_secret.decode()}"
+    the join key's secret half (CurveZMQ, z85: 40 characters each), joined by a ``_``
+    (not a z85 character)."""
+    return f"{server_key.decode()}_{client_secret.decode()}"
 
 
 def split_join_secret(text: str) -> tuple[bytes, bytes]:
     """(server public key, client secret key) of :func:`join_secret`'s string."""
-    server, _, client = text.strip().partition(":")
-    if len(server) != 40 or len(client) != 40:
-        raise ValueError("a join secret is two 40-character CurveZMQ keys joined by ':' "
+    text = text.strip()
+    if len(text) != 81 or text[40] != "_":
+        raise ValueError("a join secret is two 40-character CurveZMQ keys joined by '_' "
                          "(the runner writes it to its secret file)")
-    return server.encode(), client.encode()
+    return text[:40].encode(), text[41:].encode()
 
 
 # -- the rank template (reactor_dist.placement.template): one datagram each way on a socket pair ---

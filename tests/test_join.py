@@ -1,0 +1,284 @@
+"""placement="external": ranks that another launcher starts (here: this test, by hand,
+``python -m reactor_dist.rank --join ... --rank N``) join the runner over real TCP on
+127.0.0.1 (CurveZMQ), are refused when they should be, and end when the runner does.
+torchrun itself: test_join_torchrun.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+from conftest import wait_gone
+from join_workers import Frames
+from restart_workers import Pid
+
+from reactor_dist import DistributedRunner, External, PlacementFailed, WorkerCrashed
+from reactor_dist.wire.protocol import JOIN_SECRET_ENV
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS)
+WORKER = "join_workers:Frames"
+
+
+def joiner_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, REPO])}
+
+
+class Joiners:
+    """The joiners this test starts (as a launcher would), their output in files."""
+
+    def __init__(self, tmp_path) -> None:
+        self.tmp_path, self.procs, self.logs = tmp_path, {}, {}
+
+    def start(self, runner: DistributedRunner, rank: int, *extra: str,
+              command: str | None = None, env: dict[str, str] | None = None,
+              name: str | None = None) -> subprocess.Popen:
+        name = name or f"rank{rank}-{len(self.procs)}"
+        out = open(self.tmp_path / f"{name}.log", "w+b")  # noqa: SIM115
+        args = (command or runner.join_command).split()[1:]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "reactor_dist.rank", *args, "--rank", str(rank),
+             "--world-size", str(runner.world_size), *extra],
+            env=env or joiner_env(), stdout=out, stderr=subprocess.STDOUT)
+        self.procs[name], self.logs[name] = proc, out
+        return proc
+
+    def output(self, name: str) -> str:
+        log = self.logs[name]
+        log.flush()
+        log.seek(0)
+        return log.read().decode(errors="replace")
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+        for log in self.logs.values():
+            log.close()
+
+
+@pytest.fixture
+def joiners(tmp_path):
+    made = Joiners(tmp_path)
+    yield made
+    made.close()
+
+
+def started(runner: DistributedRunner, joiners: Joiners, ranks=None) -> None:
+    """start() in a thread; each rank's joiner once the join command is known."""
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            runner.start()
+        except BaseException as exc:  # re-raised below
+            failed.append(exc)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    while not runner.join_command and thread.is_alive():
+        time.sleep(0.02)
+    for rank in range(runner.world_size) if ranks is None else ranks:
+        joiners.start(runner, rank, name=f"rank{rank}")
+    thread.join(120)
+    if failed:
+        raise failed[0]
+
+
+def external_runner(world_size: int = 2, **options) -> DistributedRunner:
+    options.setdefault("device", "cpu")
+    options.setdefault("start_timeout", 90.0)
+    options.setdefault("call_timeout", 30.0)
+    options.setdefault("shutdown_grace", 2.0)
+    return DistributedRunner(Frames, world_size=world_size, placement="external", **options)
+
+
+def rank_pids(runner: DistributedRunner) -> list[int]:
+    return [pid for pid, _, _ in runner.generate(Pid())]
+
+
+def test_joined_ranks_serve_a_frame_and_end_with_the_runner(joiners):
+    runner = external_runner()
+    started(runner, joiners)
+    command = runner.join_command
+    secret_file = command.split("--secret-file ")[1]
+    assert command.startswith("reactor-dist-rank --join tcp://127.0.0.1:")
+    assert f"--worker {WORKER} " in command
+    assert oct(os.stat(secret_file).st_mode & 0o777) == "0o600"
+    frame = np.arange(4 * 1024 * 1024, dtype=np.uint8).reshape(1024, 4096)
+    out = runner.generate(frame)
+    np.testing.assert_array_equal(out["frame"], frame[::-1] * 2)
+    assert out["sum"] == 2 * float(frame.sum(dtype=np.float64))
+    assert runner._supervisor.placement.shares_memory  # the frame went through /dev/shm
+    pids = rank_pids(runner)
+    assert runner.placement == "external"
+    runner.shutdown()
+    assert [joiners.procs[f"rank{r}"].wait(10) for r in range(2)] == [0, 0]
+    assert wait_gone(pids) == []
+    assert not os.path.exists(secret_file)
+    assert [n for n in os.listdir("/dev/shm") if n.startswith("reactor-dist-probe-")] == []
+
+
+def test_bad_joins_are_refused_and_the_runner_carries_on(joiners, tmp_path, caplog):
+    runner = external_runner()
+    started(runner, joiners)
+    before = rank_pids(runner)
+    server = open(runner.join_command.split("--secret-file ")[1]).read()[:40]
+    import zmq
+
+    _, other_secret = zmq.curve_keypair()
+    wrong = {**joiner_env(), JOIN_SECRET_ENV: f"{server}_{other_secret.decode()}"}
+    command = runner.join_command.split(" --secret-file")[0]
+    loose = tmp_path / "loose-secret"
+    loose.write_text(open(runner.join_command.split("--secret-file ")[1]).read())
+    loose.chmod(0o644)
+    caplog.set_level(logging.WARNING, logger="reactor_dist")
+    cases = {
+        "wrong-secret": (0, (), command, wrong),
+        "taken": (0, (), None, None),
+        "out-of-range": (5, (), None, None),
+        "loose-file": (1, (), f"{command} --secret-file {loose}", None),
+    }
+    for name, (rank, extra, cmd, env) in cases.items():
+        joiners.start(runner, rank, *extra, command=cmd, env=env, name=name)
+    other_worker = runner.join_command.replace(WORKER, "restart_workers:Reduces")
+    joiners.start(runner, 1, command=other_worker, name="other-worker")
+    codes = {name: joiners.procs[name].wait(60) for name in [*cases, "other-worker"]}
+    assert codes == dict.fromkeys(codes, 2)
+    said = {name: joiners.output(name) for name in codes}
+    assert "refused this rank's join secret" in said["wrong-secret"]
+    assert f"rank 0 is taken: it joined from {os.uname().nodename} (pid " \
+           f"{joiners.procs['rank0'].pid}) and runs" in said["taken"]
+    assert "rank 5 is out of range: the runner's ranks are 0 to 1" in said["out-of-range"]
+    assert f"chmod 600 {loose}" in said["loose-file"]
+    assert f"join with --worker {WORKER}" in said["other-worker"]
+    records = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(records) == 4, records  # one each: the secret, taken, out of range, worker
+    assert rank_pids(runner) == before  # the same ranks, healthy
+    runner.shutdown()
+
+
+def test_a_dead_joined_rank_fails_the_call_and_restart_keeps_the_survivor(joiners):
+    runner = external_runner()
+    started(runner, joiners)
+    survivor, victim = rank_pids(runner)
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(WorkerCrashed) as failed:
+        for _ in range(200):  # the death is noticed within a beat or two
+            runner.generate(1.0)
+            time.sleep(0.02)
+    message = str(failed.value)
+    host = os.uname().nodename
+    assert f"rank 1 (pid {victim} on {host}) killed by SIGKILL" in message
+    assert [(f.rank, f.host) for f in failed.value.failures] == [(1, host)]
+    assert joiners.procs["rank1"].wait(10) == 1  # its launcher would start it again
+    joiners.start(runner, 1, name="rank1-again")
+    runner.restart()
+    after = runner.generate(Pid())
+    assert after[0] == (survivor, 1, 1)  # the same process, loaded once, rejoined
+    assert after[1][0] != victim and after[1][1:] == (1, 0)
+    assert runner.generate(2.0) == [4.0, 7.0, 10.0, 13.0]  # 3 * arange(4) + 2 * 2
+    runner.shutdown()
+    assert joiners.procs["rank0"].wait(10) == 0 and joiners.procs["rank1-again"].wait(10) == 0
+
+
+def test_a_killed_joiner_is_noticed_by_its_silence(joiners):
+    runner = external_runner()
+    started(runner, joiners)
+    pids = rank_pids(runner)
+    joiners.procs["rank1"].kill()
+    with pytest.raises(WorkerCrashed) as failed:
+        for _ in range(200):
+            runner.generate(1.0)
+            time.sleep(0.02)
+    assert "rank 1 (pid " in str(failed.value) and "fell silent" in str(failed.value)
+    assert wait_gone([pids[1]]) == []  # its rank ended with its joiner
+    runner.shutdown()
+    assert joiners.procs["rank0"].wait(10) == 0
+
+
+def test_start_names_the_ranks_that_did_not_join(joiners):
+    runner = external_runner(start_timeout=4.0)
+    with pytest.raises(PlacementFailed) as failed:
+        started(runner, joiners, ranks=[0])
+    pid = joiners.procs["rank0"].pid
+    assert str(failed.value).startswith(
+        f"rank 1 did not join within start_timeout=4 s during start() (joined: rank 0 "
+        f"from {os.uname().nodename} (pid {pid})); start each with: reactor-dist-rank "
+        f"--join tcp://127.0.0.1:")
+    assert joiners.procs["rank0"].wait(10) == 2
+    assert "the runner refused rank 0: the runner shut down" in joiners.output("rank0")
+
+
+APP = textwrap.dedent("""
+    import sys, time
+    sys.path[:0] = [{tests!r}, {repo!r}]
+    import numpy as np
+    from join_workers import Frames
+    from reactor_dist import DistributedRunner, External
+    runner = DistributedRunner(Frames, world_size=2, device="cpu", start_timeout=90,
+                               placement=External(port={port}, secret_file={secret!r}))
+    runner.start()
+    runner.generate(np.ones((256, 256), np.uint8))
+    print("ready", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_the_joined_ranks_end_when_the_application_is_killed(joiners, tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    secret = str(tmp_path / "secret")
+    app = subprocess.Popen(
+        [sys.executable, "-c", APP.format(tests=TESTS, repo=REPO, port=port, secret=secret)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=joiner_env())
+    try:
+        while not os.path.exists(secret):
+            assert app.poll() is None
+            time.sleep(0.05)
+        command = f"reactor-dist-rank --join tcp://127.0.0.1:{port} --worker {WORKER} " \
+                  f"--secret-file {secret}"
+
+        class Named:
+            world_size = 2
+            join_command = command
+
+        for rank in range(2):
+            joiners.start(Named, rank, name=f"rank{rank}")
+        assert app.stdout.readline() == b"ready\n"
+        ranks = [c.pid for j in joiners.procs.values()
+                 for c in psutil.Process(j.pid).children()]
+        assert len(ranks) == 2
+        app.kill()
+        app.wait()
+        assert [joiners.procs[f"rank{r}"].wait(10) for r in range(2)] == [0, 0]
+        assert wait_gone(ranks) == []
+        left = [n for n in os.listdir("/dev/shm") if n.startswith(f"rdist.{app.pid}.")]
+        assert left == []
+    finally:
+        app.kill()
+        app.wait()
+
+
+def test_external_refuses_what_it_cannot_honour():
+    with pytest.raises(ValueError, match="spares= needs a placement that starts processes"):
+        DistributedRunner(Frames, world_size=2, placement="external", spares=1)
+    with pytest.raises(ValueError, match="launch_prefix= does not apply"):
+        DistributedRunner(Frames, world_size=2, placement="external", launch_prefix=["nice"])
+    with pytest.raises(ValueError, match="External\\(port=...\\) must be a TCP port"):
+        External(port=70000)
+    with pytest.raises(ValueError, match="placement must be 'local', 'ray', 'external'"):
+        DistributedRunner(Frames, world_size=2, placement="slurm")
