@@ -167,7 +167,9 @@ class Joiner:
         self.sock.curve_serverkey = self.server
         self.sock.curve_publickey, self.sock.curve_secretkey = self.keys
         self.monitor = self.sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+            zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
+            zmq.EVENT_DISCONNECTED)
+        self.disconnected = False  # the runner's end closed (its process died)
         self.heard = 0.0  # when the runner last spoke (0: not yet)
         self.stopping = 0  # the signal that asks us to end (SIGTERM, SIGINT)
         self.ranks = Ranks(lambda dead: None)
@@ -188,6 +190,11 @@ class Joiner:
         ready = dict(poller.poll(timeout_ms))
         if self.monitor in ready:
             event = recv_monitor_message(self.monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                # Once welcomed, the kernel closed the runner's end: it died (SIGKILL,
+                # a crash), which its silence would say only JOIN_SILENCE s later.
+                self.disconnected = self.boot is not None
+                return None
             raise Refused(f"the runner at {self.endpoint} refused this rank's join secret "
                           f"(CurveZMQ handshake failed, code {event.get('value')}): use the "
                           f"secret that runner wrote, from its secret file")
@@ -278,8 +285,9 @@ class Joiner:
                            "report": f"rank {self.rank} (pid {proc.pid}) ended: its launcher"
                                      f" stopped its joiner ({name})"})
                 return 128 + self.stopping
-            if now - self.heard > JOIN_SILENCE:
-                print(f"reactor-dist-rank: the runner at {self.endpoint} fell silent: rank "
+            if self.disconnected or now - self.heard > JOIN_SILENCE:
+                how = "closed its connection" if self.disconnected else "fell silent"
+                print(f"reactor-dist-rank: the runner at {self.endpoint} {how}: rank "
                       f"{self.rank} ends", file=sys.stderr, flush=True)
                 self.ranks.end(0.0, 0.5)
                 self.reclaim()
