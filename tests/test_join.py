@@ -282,3 +282,28 @@ def test_external_refuses_what_it_cannot_honour():
         External(port=70000)
     with pytest.raises(ValueError, match="placement must be 'local', 'ray', 'external'"):
         DistributedRunner(Frames, world_size=2, placement="slurm")
+
+
+def test_the_docs_sbatch_script_is_bash_and_the_join_commands_parse():
+    """The page's launcher examples are fragments (a cluster runs them): the sbatch
+    script is checked by bash itself, the join commands by the joiner's own parser."""
+    import argparse
+
+    from docs_pages import blocks
+
+    from reactor_dist.rank import join
+
+    found = {b.heading: b.code for b in blocks("docs/cluster-launchers.md")
+             if b.language == "bash"}
+    script = found["Slurm: an `sbatch` script with `srun`"]
+    checked = subprocess.run(["bash", "-n"], input=script.encode(), capture_output=True)
+    assert checked.returncode == 0, checked.stderr.decode()
+    parser = argparse.ArgumentParser()
+    join.add_arguments(parser)
+    by_hand = found["By hand"].replace("\\\n", " ").split()
+    args = parser.parse_args(by_hand[1:])
+    assert (args.join, args.worker, args.rank, args.world_size, args.local_rank) == \
+           ("tcp://127.0.0.1:29600", "mymodel:VideoModel", 1, 2, 1)
+    torchrun = found["torchrun on two nodes"].replace("\\\n", " ").split()
+    after = torchrun[torchrun.index("reactor_dist.rank") + 1:]
+    assert parser.parse_args(after).secret_file == "/shared/job-42/reactor-secret"

@@ -79,7 +79,7 @@ def test_torchrun_starts_the_ranks_restarts_one_and_ends_with_the_application(tm
         app.kill()
         app.wait()
         began = time.monotonic()
-        assert wait_gone(everything, timeout=15.0) == []  # make bench: within 2 s
+        assert wait_gone(everything, timeout=15.0) == []  # the time is printed (-s)
         print(f"torchrun and every rank ended {time.monotonic() - began:.2f} s after the "
               f"application was killed")
         assert [n for n in os.listdir("/dev/shm") if n.startswith(f"rdist.{app.pid}.")] == []
