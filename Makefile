@@ -15,7 +15,7 @@ RAY_SPEC ?= ray==2.60.0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER = 0
 export RAY_USAGE_STATS_ENABLED = 0
 
-.PHONY: venv venv-ray venv-models docs docs-check chromium docs-serve test test-slow prometheus metrics-dashboard stress chaos demo bench bench-quick bench-per-call bench-pipelined bench-recovery bench-sessions gpu-check gpu-check-venv gpu-check-here lint clean
+.PHONY: venv venv-ray venv-models docs docs-check chromium docs-serve test test-slow prometheus metrics-dashboard stress chaos demo bench bench-quick bench-per-call bench-pipelined bench-recovery bench-joined bench-sessions gpu-check gpu-check-venv gpu-check-here lint clean
 
 venv: $(VENV)/.installed
 
@@ -116,6 +116,11 @@ bench-pipelined: venv
 # (also with the victim inside a collective), restart() with a spare (2 s and 10 s load()).
 bench-recovery: venv
 	$(PY) -m benchmarks.recovery
+
+# The joined ranks' fault rows alone (placement="external"): a rank, its joiner killed
+# or stopped -> the runner knows; the application killed -> every joined rank gone.
+bench-joined: venv
+	$(PY) -m benchmarks.joined
 
 # Its session rows alone: a snapshot's cost, a fault the caller never sees.
 bench-sessions: venv

@@ -48,6 +48,7 @@ class Settings:
     baseline_transfer_iters: tuple[int, ...] = (30, 12, 7)
     crash_trials: int = 8
     recovery_trials: int = 2  # each recovery case per trial, in alternating order
+    joined_trials: int = 5  # each joined-rank fault (families/joined.py), alternating
     timeout_trials: int = 3
     call_timeout_s: float = 0.5
     sink_world_sizes: tuple[int, ...] = (2, 4)  # input broadcast
@@ -79,6 +80,7 @@ FULL = Settings(quick=False)
 
 QUICK = Settings(
     quick=True,
+    joined_trials=1,
     call_iters=300,
     call_warmup=50,
     call_rounds=4,

@@ -151,8 +151,10 @@ class FileLimitTooLow(ReactorDistError, OSError):
 
 
 class PlacementFailed(ReactorDistError, RuntimeError):
-    """Ray could not place the ranks (placement="ray"): no Ray cluster was found, or it
-    lacks the resources the message names.  start() raises it; nothing stays reserved."""
+    """The ranks could not be placed: Ray found no cluster, or one that lacks the
+    resources the message names (placement="ray"; nothing stays reserved), or ranks that
+    another launcher starts did not join in time (placement="external": the message
+    names the missing ranks and those that joined).  start() and restart() raise it."""
 
 
 class RemoteError(ReactorDistError, RuntimeError):

@@ -291,7 +291,7 @@ def test_the_docs_sbatch_script_is_bash_and_the_join_commands_parse():
 
     from docs_pages import blocks
 
-    from reactor_dist.rank import join
+    from reactor_dist.placement import joiner as join
 
     found = {b.heading: b.code for b in blocks("docs/cluster-launchers.md")
              if b.language == "bash"}

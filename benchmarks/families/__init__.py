@@ -19,6 +19,7 @@ from benchmarks.families import (
     failure,
     frames,
     frames_gpu,
+    joined,
     metrics_cost,
     overhead,
     pipelined,
@@ -48,5 +49,6 @@ FAMILIES: tuple[tuple[str, ModuleType], ...] = (
     ("start-up", startup),
     ("Ray placement", placement),
     ("recovery", recovery),
+    ("joined ranks' faults", joined),
     ("sessions", sessions),
 )

@@ -2,7 +2,7 @@
 ``DistributedRunner(..., placement="external")`` or ``placement=External(...)``.
 
 The runner does not start these ranks; it waits for them.  Each is a
-``reactor-dist-rank --join ADDRESS`` process (:mod:`reactor_dist.rank.join`) that says
+``reactor-dist-rank --join ADDRESS`` process (:mod:`reactor_dist.placement.joiner`) that says
 which rank it is, gets its bootstrap and starts the rank as its child, as a Ray host
 does (reactor_dist.placement.ray_host), then answers for it::
 

@@ -152,7 +152,7 @@ class RankServer:
                 except psutil.Error:
                     pass
             if not self.boot.shared_memory or not self.private_dir():
-                # Another node's runner, or a joiner's (rank.join): what the runner holds
+                # Another node's runner, or a joiner's (placement.joiner): what the runner holds
                 # is not ours to remove (finally: exit).
                 return
             segments.remove_prefix(self.boot.shm_dir, self.boot.shm_prefix)
@@ -578,20 +578,21 @@ def main(argv: list[str] | None = None) -> int:
             "Runs one rank of a reactor_dist DistributedRunner: imports the worker class, "
             "joins the runner's ZeroMQ bus and the torch group (torch.distributed), calls "
             "load() once, then serves generate()/reset() until shutdown. The runner starts "
-            "it with its configuration (and a per-runner secret) on stdin, or another "
-            "launcher (torchrun, srun) starts it with --join (placement='external'); wrap "
-            "it with the runner's launch_prefix option, e.g. launch_prefix=[sys.executable, '-m', "
+            "it with its configuration (and a per-runner secret) on stdin. Started by "
+            "another launcher (torchrun, srun) with --join ADDRESS --worker MODULE:CLASS "
+            "(placement='external'), it joins that runner instead (python -m "
+            "reactor_dist.placement.joiner --help tells more). Wrap it with the runner's "
+            "launch_prefix option, e.g. launch_prefix=[sys.executable, '-m', "
             "'reactor_dist.numa', '{rank}'] (the CPUs of the rank's GPU's NUMA node)."
         ),
     )
-    from . import join  # the joiner's code: what this process is with --join
-
-    join.add_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.join:  # a rank another launcher started (torchrun, srun)
-        return join.run(args)
-    if args.worker or args.secret_file or args.rank is not None:
-        parser.error("--worker, --secret-file and --rank go with --join ADDRESS")
+    argv = sys.argv[1:] if argv is None else argv
+    if any(arg == "--join" or arg.startswith("--join=") for arg in argv):
+        # A rank another launcher started (torchrun, srun): this process becomes its
+        # joiner, the runner's agent on this node, which starts the rank as its child.
+        os.execv(sys.executable, [sys.executable, "-m", "reactor_dist.placement.joiner",
+                                  *argv])
+    parser.parse_args(argv)
     block_rank_signals()  # before any thread: they all inherit the mask
     faulthandler.enable(all_threads=True)
     faulthandler.register(STACKS_SIGNAL, all_threads=True)  # the runner asks on a timeout

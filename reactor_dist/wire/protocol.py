@@ -445,7 +445,7 @@ def torchrun_env(rank: int, world_size: int, master_port: int,
             "MASTER_PORT": str(master_port)}
 
 
-# -- a rank another launcher started (reactor_dist.rank.join <-> placement.external) ---
+# -- a rank another launcher started (placement.joiner <-> placement.external) ---
 # ``reactor-dist-rank --join ADDRESS`` connects a DEALER, CurveZMQ as a client, to the
 # runner's join socket (a ROUTER; the bus's server key, only the join key admitted);
 # each message is one msgpack map whose JOIN_KIND is a :class:`Join`::

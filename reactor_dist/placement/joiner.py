@@ -1,6 +1,9 @@
-"""``reactor-dist-rank --join ADDRESS``: one rank that another launcher started
-(torchrun, Slurm's ``srun``, a shell) joins a runner with ``placement="external"``
-(reactor_dist.placement.external, which lays out the exchange).
+"""``reactor-dist-rank --join ADDRESS`` (``python -m reactor_dist.rank --join``, which
+execs ``python -m reactor_dist.placement.joiner``): one rank that another launcher
+started (torchrun, Slurm's ``srun``, a shell) joins a runner with
+``placement="external"`` (reactor_dist.placement.external, which lays out the exchange).
+The joiner is the runner's agent on the rank's node, as a Ray host is
+(reactor_dist.placement.ray_host): it never runs the worker nor speaks the bus.
 
 This process is the rank's joiner: it says which rank it is (torchrun's ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``; Slurm's ``SLURM_PROCID``, ``SLURM_NTASKS``,
@@ -37,8 +40,6 @@ from zmq.utils.monitor import recv_monitor_message
 
 from .. import __version__
 from ..caller.bus import reclaim_dead_ipc_dirs
-from ..placement.base import Ranks
-from ..placement.local import RankProcess
 from ..shm import segments
 from ..wire.protocol import (
     JOIN_BEAT_EVERY,
@@ -51,6 +52,8 @@ from ..wire.protocol import (
     Join,
     split_join_secret,
 )
+from .base import Ranks
+from .local import RankProcess
 
 POLL_MS = 20
 RECLAIM_WITHIN = 1.0  # seconds a dead runner's owner lock may take to come free
@@ -361,3 +364,22 @@ def run(args: argparse.Namespace) -> int:
     finally:
         joiner.ranks.end(0.0, 0.5)
         joiner.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="reactor-dist-rank --join",
+        description="Joins one rank that another launcher started (torchrun, srun, a "
+                    "shell) to a DistributedRunner with placement='external': says which "
+                    "rank it is, starts it, answers for it until the runner or the rank "
+                    "ends. Exit 0: the runner ended; 1: the rank died or was replaced; 2: "
+                    "refused, or no runner answered.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if not args.join:
+        parser.error("--join ADDRESS is needed (the runner's start() prints it)")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
