@@ -53,6 +53,11 @@ class Probe:
         return self._queue.engine
 
     @property
+    def shares_memory(self) -> bool:
+        """Every rank maps this machine's /dev/shm: payloads go through it (else in-band)."""
+        return self._supervisor.placement.shares_memory
+
+    @property
     def rank_pids(self) -> list[int]:
         """The ranks' process ids (the processes the runner started); [] once ended."""
         ranks = self._supervisor.ranks

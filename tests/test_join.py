@@ -19,6 +19,7 @@ import psutil
 import pytest
 from conftest import wait_gone
 from join_workers import Frames
+from probe import Probe
 from restart_workers import Pid
 
 from reactor_dist import DistributedRunner, External, PlacementFailed, WorkerCrashed
@@ -119,7 +120,7 @@ def test_joined_ranks_serve_a_frame_and_end_with_the_runner(joiners):
     out = runner.generate(frame)
     np.testing.assert_array_equal(out["frame"], frame[::-1] * 2)
     assert out["sum"] == 2 * float(frame.sum(dtype=np.float64))
-    assert runner._supervisor.placement.shares_memory  # the frame went through /dev/shm
+    assert Probe(runner).shares_memory  # the frame went through /dev/shm
     pids = rank_pids(runner)
     assert runner.placement == "external"
     runner.shutdown()

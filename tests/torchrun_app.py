@@ -28,6 +28,7 @@ sys.path[:0] = [TESTS, REPO]
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 from join_workers import Frames  # noqa: E402
+from probe import Probe  # noqa: E402
 from restart_workers import Pid  # noqa: E402
 
 from reactor_dist import DistributedRunner, External, WorkerCrashed  # noqa: E402
@@ -93,7 +94,7 @@ def main(out_dir: str) -> None:
     out = runner.generate(frame)
     say(step="generate", frame_ok=bool(np.array_equal(out["frame"], frame[::-1] * 2)),
         sum=out["sum"], expected=4 * float(frame.sum(dtype=np.float64)),
-        shared=runner._supervisor.placement.shares_memory)
+        shared=Probe(runner).shares_memory)
 
     pids = [pid for pid, _, _ in runner.generate(Pid())]
     wrong = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, REPO]),

@@ -305,7 +305,8 @@ class ExternalGroup(Placement):
             ranks.add(self.joined[rank] if rank in replaced else old.procs[rank])
 
     def start_spare(self, slot: int, place: int, bootstrap: Bootstrap, label: str) -> Rank:
-        raise ValueError("spares= needs placement='local' or 'ray' (check_external)")
+        check_external(1, [], self.worker)  # raises: refused at construction already
+        raise RuntimeError  # not reached
 
     def close(self, ranks: Ranks, grace: float) -> None:
         """Each joiner ends its rank and exits 0; those still waiting are told no; the
