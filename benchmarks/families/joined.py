@@ -102,6 +102,14 @@ def notice_trial(case: str) -> float:
             proc.wait(10)
 
 
+def _running(proc: psutil.Process) -> bool:
+    """Not gone: a zombie has ended (it waits only for init, its new parent, to reap it)."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def _children(pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(pid).children(recursive=True)
@@ -140,7 +148,10 @@ def gone_trial() -> float:
         began = time.perf_counter()
         app.kill()
         app.wait()
-        _, alive = psutil.wait_procs(everything, timeout=30)
+        alive = everything
+        while alive and time.perf_counter() - began < 30:
+            alive = [p for p in alive if _running(p)]
+            time.sleep(0.002)
         seconds = time.perf_counter() - began
         for proc in alive:
             proc.kill()
