@@ -20,9 +20,15 @@ import pytest
 from conftest import wait_gone
 from join_workers import Frames
 from probe import Probe
-from restart_workers import Pid
+from restart_workers import HangIn, Pid
 
-from reactor_dist import DistributedRunner, External, PlacementFailed, WorkerCrashed
+from reactor_dist import (
+    DistributedRunner,
+    External,
+    PlacementFailed,
+    WorkerCrashed,
+    WorkerTimeout,
+)
 from reactor_dist.wire.protocol import JOIN_SECRET_ENV
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -191,6 +197,26 @@ def test_a_dead_joined_rank_fails_the_call_and_restart_keeps_the_survivor(joiner
     assert runner.generate(2.0) == [4.0, 7.0, 10.0, 13.0]  # 3 * arange(4) + 2 * 2
     runner.shutdown()
     assert joiners.procs["rank0"].wait(10) == 0 and joiners.procs["rank1-again"].wait(10) == 0
+
+
+def test_a_hung_joined_rank_times_out_with_its_stack_and_restart_replaces_it(joiners):
+    runner = external_runner(call_timeout=3.0)
+    started(runner, joiners)
+    survivor, hung = rank_pids(runner)
+    with pytest.raises(WorkerTimeout) as failed:
+        runner.generate(HangIn(rank=1))
+    message = str(failed.value)
+    assert message.startswith("no answer from rank 1 within 3 s during generate()")
+    assert "restart_workers.py\", line" in message  # its stack, through its joiner
+    restart = threading.Thread(target=runner.restart)
+    restart.start()
+    assert joiners.procs["rank1"].wait(30) == 1  # the restart ended it: its launcher's turn
+    joiners.start(runner, 1, name="rank1-again")  # as a launcher does, once it exited
+    restart.join(120)
+    after = runner.generate(Pid())
+    assert after[0] == (survivor, 1, 1) and after[1][0] != hung
+    assert wait_gone([hung]) == []
+    runner.shutdown()
 
 
 def test_a_killed_joiner_is_noticed_by_its_silence(joiners):
