@@ -132,7 +132,23 @@ dma = staging.dma[seg.name]
 mapped[dma.address] = lambda: "mapped" if dma.address else "unmapped"
 staging.unmapped(seg.name)
 print(staging.fast, calls == [("register", 4 * MiB, 9), ("unregister", "mapped")])
-view.close(); seg.close(unlink=True); os.rmdir(d)  # empty: everything went
+view.close(); seg.close(unlink=True)
+
+# Registration is tried again at each use: CUDA not up yet at the first (no runtime),
+# the second registers the mapping, the third finds it registered.
+calls.clear()
+up = []
+seg = Segment.create(d, "rdwarm.in-y", 4 * MiB, "input")
+view = PrivateView(d, seg.name)
+staging = InputStaging(d, lambda: {seg.name: view},
+                       HostPinning(lambda: Cudart() if up else None), lambda: "cpu",
+                       cpu_too=True)
+x = np.frombuffer(view.buffer, np.uint8)[:MiB]
+staging.to_device(x); print(calls == [], staging.fast)
+up.append(True)
+staging.to_device(x); staging.to_device(x)
+print(calls == [("register", 4 * MiB, 9)], staging.fast)
+staging.close(); view.close(); seg.close(unlink=True); os.rmdir(d)  # empty: all went
 """
 
 
@@ -142,4 +158,4 @@ def test_registered_segments_stay_warm_within_the_limit_and_inputs_register_read
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
         "True", "False", "True True", "True", "True True False True", "True True 0",
-        "True", "True", "2 True"]
+        "True", "True", "2 True", "True 1", "True 3"]
