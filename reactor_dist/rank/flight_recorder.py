@@ -6,7 +6,7 @@ record of every collective it ran, those of a compiled graph or of C++ too, and 
 whether its kernel started and finished on the device.  NCCL keeps its own recorder
 (``_dump_nccl_trace``), every other backend gloo's (``_dump_fr_trace``): a CUDA rank's
 group has both (CPU tensors through gloo), and its report merges them by time and says
-which it read.  torch 2.13 keeps it by default
+which it read.  torch 2.13 keeps it by default (read in 2.13 alone)
 (2000 entries; ``TORCH_FR_BUFFER_SIZE``, or its older name
 ``TORCH_NCCL_TRACE_BUFFER_SIZE``, sizes it, 0 turns it off; older versions keep none
 unless sized) and dumps it by itself only to a file, at NCCL's own timeout.  It is not

@@ -15,13 +15,14 @@ broadcast).  Once ``load()`` is done the group's own timeout becomes
 is aborted by torch, so a rank that raised before a collective does not leave the others
 spinning for an hour.
 
-Backends: torch 2.13's ``"nccl"`` serves CUDA tensors only, and a model's CPU-side
-collectives (the Quickstart's all_gather of CPU tensors) would raise "No backend
-type associated with device type cpu".  A CUDA rank's group therefore has a backend per
-device (:data:`CUDA_BACKENDS`), and is bound to the rank's GPU (``device_id=``): NCCL
-then forms its communicator inside ``init_process_group``, during ``start()`` and under
-``start_timeout`` (and "torch group formed in X s" measures it), not lazily at the first
-collective inside ``load()`` or a call.
+Backends: torch's ``"nccl"`` serves CUDA tensors only (read in 2.13; the GPU check ran
+it on 2.11), and a model's CPU-side collectives (the Quickstart's all_gather of CPU
+tensors) would raise "No backend type associated with device type cpu".  A CUDA rank's
+group therefore has a backend per device (:data:`CUDA_BACKENDS`), and is bound to the
+rank's GPU (``device_id=``): NCCL then forms its communicator inside
+``init_process_group``, during ``start()`` and under ``start_timeout`` (and "torch group
+formed in X s" measures it), not lazily at the first collective inside ``load()`` or a
+call.
 
 Getting out of a failed step: when a rank dies or stops answering, a survivor may wait
 in a collective for it, or for another survivor that waits in a different one; gloo
@@ -246,7 +247,8 @@ class Rendezvous:
 
     def serve_calls(self) -> None:
         """``load()`` is done: the group's collectives now wait at most
-        ``Bootstrap.group_timeout`` (torch 2.13 sets it on each backend of the group)."""
+        ``Bootstrap.group_timeout`` (torch sets it on each backend of the group: read in
+        2.13's source)."""
         from torch.distributed import distributed_c10d
 
         distributed_c10d._set_pg_timeout(timedelta(seconds=self.boot.group_timeout))
