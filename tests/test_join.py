@@ -46,16 +46,19 @@ class Joiners:
     def __init__(self, tmp_path) -> None:
         self.tmp_path, self.procs, self.logs = tmp_path, {}, {}
 
-    def start(self, runner: DistributedRunner, rank: int, *extra: str,
+    def start(self, runner: DistributedRunner, rank: int | None, *extra: str,
               command: str | None = None, env: dict[str, str] | None = None,
-              name: str | None = None) -> subprocess.Popen:
+              name: str | None = None, program: tuple[str, ...] = ()) -> subprocess.Popen:
+        """A joiner of ``rank`` (None: the launcher's environment says), as
+        ``python -m reactor_dist.rank JOIN-COMMAND'S-ARGS`` (or ``program``)."""
         name = name or f"rank{rank}-{len(self.procs)}"
         out = open(self.tmp_path / f"{name}.log", "w+b")  # noqa: SIM115
         args = (command or runner.join_command).split()[1:]
+        which = [] if rank is None else ["--rank", str(rank), "--world-size",
+                                         str(runner.world_size)]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "reactor_dist.rank", *args, "--rank", str(rank),
-             "--world-size", str(runner.world_size), *extra],
-            env=env or joiner_env(), stdout=out, stderr=subprocess.STDOUT)
+            [sys.executable, *(program or ("-m", "reactor_dist.rank")), *args, *which,
+             *extra], env=env or joiner_env(), stdout=out, stderr=subprocess.STDOUT)
         self.procs[name], self.logs[name] = proc, out
         return proc
 
@@ -160,7 +163,12 @@ def test_bad_joins_are_refused_and_the_runner_carries_on(joiners, tmp_path, capl
         joiners.start(runner, rank, *extra, command=cmd, env=env, name=name)
     other_worker = runner.join_command.replace(WORKER, "restart_workers:Reduces")
     joiners.start(runner, 1, command=other_worker, name="other-worker")
-    codes = {name: joiners.procs[name].wait(60) for name in [*cases, "other-worker"]}
+    joiners.start(runner, 1, "--world-size", "3", name="other-size")
+    joiners.start(runner, 1, name="other-version", program=(
+        "-c", "import sys, reactor_dist; reactor_dist.__version__ = '0.0.9'; "
+              "from reactor_dist.placement.joiner import main; sys.exit(main())"))
+    codes = {name: joiners.procs[name].wait(60)
+             for name in [*cases, "other-worker", "other-size", "other-version"]}
     assert codes == dict.fromkeys(codes, 2)
     said = {name: joiners.output(name) for name in codes}
     assert "refused this rank's join secret" in said["wrong-secret"]
@@ -169,10 +177,30 @@ def test_bad_joins_are_refused_and_the_runner_carries_on(joiners, tmp_path, capl
     assert "rank 5 is out of range: the runner's ranks are 0 to 1" in said["out-of-range"]
     assert f"chmod 600 {loose}" in said["loose-file"]
     assert f"join with --worker {WORKER}" in said["other-worker"]
+    assert "this rank was started for world size 3, the runner's is 2" in said["other-size"]
+    assert ("this rank runs reactor_dist 0.0.9 (wire 2), the runner 0.1.0 (wire 2): "
+            "install the same version on both") in said["other-version"]
     records = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
-    assert len(records) == 4, records  # one each: the secret, taken, out of range, worker
+    assert len(records) == 6, records  # one each but the loose file (refused at home)
     assert rank_pids(runner) == before  # the same ranks, healthy
     runner.shutdown()
+
+
+def test_a_rank_srun_started_takes_its_rank_from_slurms_environment(joiners):
+    runner = external_runner()
+    thread = threading.Thread(target=runner.start)
+    thread.start()
+    while not runner.join_command:
+        time.sleep(0.02)
+    joiners.start(runner, 0, name="rank0")
+    slurm = {**joiner_env(), "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
+    joiners.start(runner, None, env=slurm, name="rank1")
+    thread.join(120)
+    assert runner.healthy and runner.generate(1.0) == [2.0, 5.0, 8.0, 11.0]
+    host = os.uname().nodename
+    assert [(r.rank, r.host) for r in runner.ranks] == [(0, host), (1, host)]
+    runner.shutdown()
+    assert joiners.procs["rank1"].wait(10) == 0
 
 
 def test_a_dead_joined_rank_fails_the_call_and_restart_keeps_the_survivor(joiners):
