@@ -48,16 +48,18 @@ class Joiners:
 
     def start(self, runner: DistributedRunner, rank: int | None, *extra: str,
               command: str | None = None, env: dict[str, str] | None = None,
-              name: str | None = None, program: tuple[str, ...] = ()) -> subprocess.Popen:
+              name: str | None = None, program: tuple[str, ...] = (),
+              wrap: tuple[str, ...] = ()) -> subprocess.Popen:
         """A joiner of ``rank`` (None: the launcher's environment says), as
-        ``python -m reactor_dist.rank JOIN-COMMAND'S-ARGS`` (or ``program``)."""
+        ``python -m reactor_dist.rank JOIN-COMMAND'S-ARGS`` (or ``program``), behind
+        ``wrap``."""
         name = name or f"rank{rank}-{len(self.procs)}"
         out = open(self.tmp_path / f"{name}.log", "w+b")  # noqa: SIM115
         args = (command or runner.join_command).split()[1:]
         which = [] if rank is None else ["--rank", str(rank), "--world-size",
                                          str(runner.world_size)]
         proc = subprocess.Popen(
-            [sys.executable, *(program or ("-m", "reactor_dist.rank")), *args, *which,
+            [*wrap, sys.executable, *(program or ("-m", "reactor_dist.rank")), *args, *which,
              *extra], env=env or joiner_env(), stdout=out, stderr=subprocess.STDOUT)
         self.procs[name], self.logs[name] = proc, out
         return proc
@@ -137,6 +139,29 @@ def test_joined_ranks_serve_a_frame_and_end_with_the_runner(joiners):
     assert wait_gone(pids) == []
     assert not os.path.exists(secret_file)
     assert [n for n in os.listdir("/dev/shm") if n.startswith("reactor-dist-probe-")] == []
+
+
+# A /dev/shm of its own, as on another machine: the joiner's probe is not found here.
+OTHER_MEMORY = ("unshare", "--mount", "sh", "-c", 'mount -t tmpfs none /dev/shm && exec "$@"',
+                "sh")
+
+
+def test_a_rank_without_our_shared_memory_gets_its_frames_over_tcp(joiners):
+    runner = external_runner()
+    thread = threading.Thread(target=runner.start)
+    thread.start()
+    while not runner.join_command:
+        time.sleep(0.02)
+    joiners.start(runner, 0, wrap=OTHER_MEMORY, name="rank0")  # rank 0: its result too
+    joiners.start(runner, 1, name="rank1")
+    thread.join(120)
+    assert runner.healthy and not Probe(runner).shares_memory
+    frame = np.arange(2 * 1024 * 1024, dtype=np.uint16).reshape(1024, 2048)
+    out = runner.generate(frame)
+    np.testing.assert_array_equal(out["frame"], frame[::-1] * 2)
+    assert out["sum"] == 2 * float(frame.sum(dtype=np.float64))
+    runner.shutdown()
+    assert [joiners.procs[f"rank{r}"].wait(10) for r in range(2)] == [0, 0]
 
 
 def test_bad_joins_are_refused_and_the_runner_carries_on(joiners, tmp_path, caplog):
