@@ -272,19 +272,24 @@ def test_a_hung_joined_rank_times_out_with_its_stack_and_restart_replaces_it(joi
     runner.shutdown()
 
 
-def test_a_killed_joiner_is_noticed_by_its_silence(joiners):
+@pytest.mark.parametrize(("sig", "noticed"), [
+    (signal.SIGKILL, "its joiner's connection closed (it died)"),
+    (signal.SIGSTOP, "its joiner fell silent for 0.8 s"),
+])
+def test_a_killed_or_stopped_joiner_is_noticed(joiners, sig, noticed):
     runner = external_runner()
     started(runner, joiners)
     pids = rank_pids(runner)
-    joiners.procs["rank1"].kill()
+    os.kill(joiners.procs["rank1"].pid, sig)
     with pytest.raises(WorkerCrashed) as failed:
         for _ in range(200):
             runner.generate(1.0)
             time.sleep(0.02)
-    assert "rank 1 (pid " in str(failed.value) and "fell silent" in str(failed.value)
-    assert wait_gone([pids[1]]) == []  # its rank ended with its joiner
+    assert f"rank 1 (pid {pids[1]} on {os.uname().nodename}): {noticed}" in str(failed.value)
     runner.shutdown()
     assert joiners.procs["rank0"].wait(10) == 0
+    joiners.procs["rank1"].kill()  # a stopped one ends here; its rank goes with it
+    assert wait_gone([pids[1]]) == []
 
 
 def test_start_names_the_ranks_that_did_not_join(joiners):

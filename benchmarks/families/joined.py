@@ -4,8 +4,8 @@ application is gone.  World size 2, both ranks joined by hand on 127.0.0.1
 (``python -m reactor_dist.rank --join ... --rank N``); every trial a fresh runner.
 
 - rank SIGKILLed: its joiner sees it die and tells the runner;
-- joiner SIGKILLed: the runner hears nothing more from it (``JOIN_SILENCE``);
-- joiner SIGSTOPped: a hang, the same silence;
+- joiner SIGKILLed: its connection closed, found at the next beat;
+- joiner SIGSTOPped: a hang, its silence (``JOIN_SILENCE``);
 - application SIGKILLed: each joiner ends its rank and exits (its connection closed).
 
 Goals: each of the first three <= 1 s from the signal to ``runner.healthy`` turning

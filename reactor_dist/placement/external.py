@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 
 POLL_MS = 20  # the join socket's thread: how often it looks at its queue and the beats
 STOPPED_EVERY = 0.5  # seconds between two questions to a joiner whether its rank is stopped
+BEAT = msgpack.packb({JOIN_KIND: Join.BEAT})
 END_SLACK = 2.0  # seconds a joiner may take beyond the grace it was given to end its rank
 log = logging.getLogger("reactor_dist")
 
@@ -444,8 +445,13 @@ class ExternalGroup(Placement):
                     self._gone(joined, f"rank {joined.rank} ({joined.where()}): its joiner "
                                        f"fell silent for {JOIN_SILENCE:g} s (killed, stopped,"
                                        f" or its machine or network is gone)")
-                else:
-                    self._deliver(sock, joined.identity, {JOIN_KIND: Join.BEAT})
+                    continue
+                try:
+                    sock.send_multipart([joined.identity, BEAT], flags=zmq.NOBLOCK)
+                except zmq.ZMQError as exc:
+                    if exc.errno == zmq.EHOSTUNREACH:  # its connection closed: it died
+                        self._gone(joined, f"rank {joined.rank} ({joined.where()}): its "
+                                           f"joiner's connection closed (it died)")
             self.waiting = {r: j for r, j in self.waiting.items() if j.alive()}
 
     def _gone(self, joined: JoinedRank, report: str, returncode: int | None = None,
