@@ -316,11 +316,13 @@ APP = textwrap.dedent("""
     runner.start()
     runner.generate(np.ones((256, 256), np.uint8))
     print("ready", flush=True)
-    time.sleep(600)
+    sys.stdin.readline()  # the test says when
+    raise RuntimeError("the application failed")  # or it is SIGKILLed first
 """)
 
 
-def test_the_joined_ranks_end_when_the_application_is_killed(joiners, tmp_path):
+@pytest.mark.parametrize("ends", ["killed", "raises"])
+def test_the_joined_ranks_end_when_the_application_does(joiners, tmp_path, ends):
     import socket
 
     with socket.socket() as s:
@@ -329,7 +331,8 @@ def test_the_joined_ranks_end_when_the_application_is_killed(joiners, tmp_path):
     secret = str(tmp_path / "secret")
     app = subprocess.Popen(
         [sys.executable, "-c", APP.format(tests=TESTS, repo=REPO, port=port, secret=secret)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=joiner_env())
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        env=joiner_env())
     try:
         while not os.path.exists(secret):
             assert app.poll() is None
@@ -347,8 +350,12 @@ def test_the_joined_ranks_end_when_the_application_is_killed(joiners, tmp_path):
         ranks = [c.pid for j in joiners.procs.values()
                  for c in psutil.Process(j.pid).children()]
         assert len(ranks) == 2
-        app.kill()
-        app.wait()
+        if ends == "killed":
+            app.kill()
+        else:
+            app.stdin.write(b"go\n")
+            app.stdin.flush()
+        assert app.wait(30) == (-signal.SIGKILL if ends == "killed" else 1)
         assert [joiners.procs[f"rank{r}"].wait(10) for r in range(2)] == [0, 0]
         assert wait_gone(ranks) == []
         left = [n for n in os.listdir("/dev/shm") if n.startswith(f"rdist.{app.pid}.")]
