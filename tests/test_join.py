@@ -370,6 +370,11 @@ def test_external_refuses_what_it_cannot_honour():
         DistributedRunner(Frames, world_size=2, placement="external", spares=1)
     with pytest.raises(ValueError, match="launch_prefix= does not apply"):
         DistributedRunner(Frames, world_size=2, placement="external", launch_prefix=["nice"])
+    with pytest.raises(ValueError, match="gpus= and placement='external' exclude each other"):
+        DistributedRunner(Frames, world_size=2, placement="external", gpus=[0, 1],
+                          device="cuda")
+    with pytest.raises(ValueError, match="rank_output='log' does not apply with placement="):
+        DistributedRunner(Frames, world_size=2, placement="external", rank_output="log")
     with pytest.raises(ValueError, match="External\\(port=...\\) must be a TCP port"):
         External(port=70000)
     with pytest.raises(ValueError, match="placement must be 'local', 'ray', 'external'"):

@@ -606,7 +606,7 @@ def wait_for(condition, timeout: float = 10.0) -> None:
 @pytest.mark.parametrize("options, message", [
     ({"ray_strategy": "TIGHT"}, "ray_strategy must be one of PACK, SPREAD"),
     ({"ray_bundle": {"GPU": -1}}, "ray_bundle must be a dict"),
-    ({"placement": "slurm"}, "placement must be 'local' or 'ray'"),
+    ({"placement": "slurm"}, "placement must be 'local', 'ray', 'external' or an External"),
     ({"gpus": [0, 1]}, "gpus= and placement='ray' exclude each other"),
     ({"rank_output": "log"}, "rank_output='log' does not apply with placement='ray'"),
 ])

@@ -179,8 +179,8 @@ class DistributedRunner:
         gpus = check_devices(device, gpus, rank_output, world_size)
         validation.check_spares(spares, worker_cls, gpus, world_size)
         ray = check_ray_options(placement, ray_bundle, ray_strategy)
-        validation.check_placed_options(ray is not None, gpus, rank_output)
         self._placement = placement if isinstance(placement, str) else "external"
+        validation.check_placed_options(self._placement, gpus, rank_output)
         validation.warn_if_cores_short(world_size, device, placement)
         env = {str(k): str(v) for k, v in (env or {}).items()}
         if not record_collectives and not any(name in env or name in os.environ

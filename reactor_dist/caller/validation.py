@@ -113,14 +113,21 @@ def check_one_rank_per_gpu(gpus: list[int], world_size: int) -> None:
                 f"with world_size=2, spares=1: the spare waits on GPU 0)")
 
 
-def check_placed_options(placed: bool, gpus: Any, rank_output: str) -> None:
-    """Options that a ``placement="ray"`` runner cannot honour."""
-    if placed and gpus is not None:
+def check_placed_options(placement: str, gpus: Any, rank_output: str) -> None:
+    """Options that a ``placement="ray"`` or ``"external"`` runner cannot honour."""
+    if placement == "ray" and gpus is not None:
         raise ValueError("gpus= and placement='ray' exclude each other: Ray assigns the "
                          "GPUs (ray_bundle); leave gpus out")
-    if placed and rank_output == "log":
+    if placement == "ray" and rank_output == "log":
         raise ValueError("rank_output='log' does not apply with placement='ray': Ray "
                          "forwards the ranks' output lines (log_to_driver)")
+    if placement == "external" and gpus is not None:
+        raise ValueError("gpus= and placement='external' exclude each other: each joined "
+                         "rank uses the GPU of its LOCAL_RANK (cuda:LOCAL_RANK, as torchrun "
+                         "sets it); leave gpus out")
+    if placement == "external" and rank_output == "log":
+        raise ValueError("rank_output='log' does not apply with placement='external': each "
+                         "rank's output goes to its launcher's log")
 
 
 def warn_if_cores_short(world_size: int, device: str, placement: str) -> None:
