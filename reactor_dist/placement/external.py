@@ -413,7 +413,7 @@ class ExternalGroup(Placement):
     def _serve(self, sock: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        beat = 0.0
+        beat = last = time.monotonic()
         try:
             while not self._stop.is_set():
                 if poller.poll(POLL_MS):
@@ -424,6 +424,14 @@ class ExternalGroup(Placement):
                 while not self.outbox.empty():
                     self._deliver(sock, *self.outbox.get())
                 now = time.monotonic()
+                if now - last > JOIN_SILENCE / 2:
+                    # This thread itself got no turn for a while (the application held
+                    # the GIL, the machine was starved): what it did not hear meanwhile
+                    # says nothing of the joiners.
+                    with self.changed:
+                        for joined in (*self.waiting.values(), *self.joined.values()):
+                            joined.heard = max(joined.heard, now - JOIN_BEAT_EVERY)
+                last = now
                 if now - beat >= JOIN_BEAT_EVERY:
                     beat = now
                     self._beat(sock, now)

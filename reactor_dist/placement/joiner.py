@@ -45,8 +45,8 @@ from ..wire.protocol import (
     JOIN_BEAT_EVERY,
     JOIN_KIND,
     JOIN_SECRET_ENV,
-    JOIN_SILENCE,
     OWNER_LOCK,
+    RUNNER_SILENCE,
     WIRE_VERSION,
     Bootstrap,
     Join,
@@ -195,7 +195,7 @@ class Joiner:
             event = recv_monitor_message(self.monitor)
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 # Once welcomed, the kernel closed the runner's end: it died (SIGKILL,
-                # a crash), which its silence would say only JOIN_SILENCE s later.
+                # a crash), which its silence would say only RUNNER_SILENCE s later.
                 self.disconnected = self.boot is not None
                 return None
             raise Refused(f"the runner at {self.endpoint} refused this rank's join secret "
@@ -231,7 +231,7 @@ class Joiner:
         while True:
             if self.stopping:
                 raise SystemExit(128 + self.stopping)
-            if self.heard and time.monotonic() - self.heard > JOIN_SILENCE:
+            if self.heard and time.monotonic() - self.heard > RUNNER_SILENCE:
                 raise Refused(f"the runner at {self.endpoint} fell silent before it welcomed "
                               f"rank {self.rank}")
             if time.monotonic() > deadline:
@@ -288,7 +288,7 @@ class Joiner:
                            "report": f"rank {self.rank} (pid {proc.pid}) ended: its launcher"
                                      f" stopped its joiner ({name})"})
                 return 128 + self.stopping
-            if self.disconnected or now - self.heard > JOIN_SILENCE:
+            if self.disconnected or now - self.heard > RUNNER_SILENCE:
                 how = "closed its connection" if self.disconnected else "fell silent"
                 print(f"reactor-dist-rank: the runner at {self.endpoint} {how}: rank "
                       f"{self.rank} ends", file=sys.stderr, flush=True)

@@ -456,7 +456,8 @@ def torchrun_env(rank: int, world_size: int, master_port: int,
 #                        <- welcome {bootstrap (protocol.Bootstrap.to_bytes), torch_env}
 #                        <- refused {why}: the joiner says why and exits 2
 #     started {pid}   its rank process runs
-#     beat    {}      every BEAT_EVERY s both ways: silent JOIN_SILENCE s, the peer is gone
+#     beat    {}      every JOIN_BEAT_EVERY s both ways: a joiner silent JOIN_SILENCE s is
+#                     gone; a runner silent RUNNER_SILENCE s (its end closed: at once)
 #                        <- signal {sig, group}   <- stacks {}   <- stopped {}
 #     stacks  {text}  stopped {value}
 #                        <- end {grace, term_grace, code}: end the rank, exit ``code``
@@ -464,7 +465,11 @@ def torchrun_env(rank: int, world_size: int, master_port: int,
 JOIN_KIND = "j"
 JOIN_SECRET_ENV = "REACTOR_DIST_JOIN_SECRET"  # the join secret, where no file holds it
 JOIN_BEAT_EVERY = 0.1  # seconds between two beats, each way
-JOIN_SILENCE = 0.8  # seconds without a message after which the peer counts as gone
+JOIN_SILENCE = 0.8  # seconds without a message after which a joiner counts as gone
+# ... after which a joiner counts its runner as gone.  Longer: the runner's process is the
+# application's, whose own work may hold the GIL a while (a big pickle, a C call), and a
+# runner that died closed its end of the connection, which the joiner sees at once.
+RUNNER_SILENCE = 10.0
 
 
 class Join:
