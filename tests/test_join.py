@@ -292,6 +292,25 @@ def test_a_killed_or_stopped_joiner_is_noticed(joiners, sig, noticed):
     assert wait_gone([pids[1]]) == []
 
 
+def test_an_application_that_holds_the_gil_a_while_loses_no_rank(joiners):
+    """The join socket's thread gets no turn for 1.5 s (twice JOIN_SILENCE): what it did
+    not hear meanwhile is no joiner's death."""
+    runner = external_runner()
+    started(runner, joiners)
+    pids = rank_pids(runner)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)  # no other thread runs until this one waits
+    try:
+        end = time.perf_counter() + 1.5
+        while time.perf_counter() < end:
+            pass
+    finally:
+        sys.setswitchinterval(interval)
+    time.sleep(0.3)  # the thread's next rounds
+    assert runner.healthy and rank_pids(runner) == pids
+    runner.shutdown()
+
+
 def test_start_names_the_ranks_that_did_not_join(joiners):
     runner = external_runner(start_timeout=4.0)
     with pytest.raises(PlacementFailed) as failed:
