@@ -5,6 +5,7 @@ torchrun itself: test_join_torchrun.py."""
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import signal
@@ -379,6 +380,7 @@ def test_the_joined_ranks_end_when_the_application_does(joiners, tmp_path, ends)
         assert wait_gone(ranks) == []
         left = [n for n in os.listdir("/dev/shm") if n.startswith(f"rdist.{app.pid}.")]
         assert left == []
+        assert glob.glob(f"/tmp/reactor-dist-{app.pid}-*") == []  # its private directory
     finally:
         app.kill()
         app.wait()

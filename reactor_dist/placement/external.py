@@ -237,6 +237,7 @@ class ExternalGroup(Placement):
         self.join_public, self.join_secret = zmq.curve_keypair()
         self.address = ""  # the join socket's endpoint, once bound
         self.secret_path = ""
+        self.private_dir = ""  # the runner's (the bus's ipc directory), once started
         self.bus_fields: dict[str, Any] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -279,8 +280,8 @@ class ExternalGroup(Placement):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a joiner gone: EHOSTUNREACH, not a hang
         self.address = bus.bind_secure(sock, self.spec.address, self.spec.port)
-        self.secret_path = self._write_secret(
-            join_secret(server, self.join_secret), bus.cmd_addr.removeprefix("ipc://"))
+        self.private_dir = os.path.dirname(bus.cmd_addr.removeprefix("ipc://"))
+        self.secret_path = self._write_secret(join_secret(server, self.join_secret))
         self.deaths = ranks.watch
         self._thread = threading.Thread(target=self._serve, args=(sock,), daemon=True,
                                         name="reactor-dist-join")
@@ -352,7 +353,8 @@ class ExternalGroup(Placement):
             env = torchrun_env(rank, self.world_size, self.joined[0].port,
                                self.store_address(), (joined.local_rank, len(local)))
             self.send(joined, {JOIN_KIND: Join.WELCOME, "torch_env": env,
-                               "bootstrap": bootstrap(rank).to_bytes()})
+                               "bootstrap": bootstrap(rank).to_bytes(),
+                               "private_dir": self.private_dir if joined.shared else ""})
         for rank in sorted(ranks):
             joined = self.joined[rank]
             if not joined.started.wait(max(deadline - time.monotonic(), 0.0)):
@@ -369,9 +371,8 @@ class ExternalGroup(Placement):
                 f"join {why} during {what} (joined: {', '.join(joined) or 'none'}); start "
                 f"each with: {self.join_command}")
 
-    def _write_secret(self, text: str, private_dir: str) -> str:
-        path = self.spec.secret_file or os.path.join(os.path.dirname(private_dir),
-                                                     "join-secret")
+    def _write_secret(self, text: str) -> str:
+        path = self.spec.secret_file or os.path.join(self.private_dir, "join-secret")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
             os.fchmod(fd, 0o600)  # a file there before keeps its mode otherwise

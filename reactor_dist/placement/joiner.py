@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -39,7 +40,6 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .. import __version__
-from ..caller.bus import reclaim_dead_ipc_dirs
 from ..shm import segments
 from ..wire.protocol import (
     JOIN_BEAT_EVERY,
@@ -179,6 +179,7 @@ class Joiner:
         self.answers: list[dict[str, Any]] = []  # from helper threads, sent by the loop
         self.probe = ""
         self.boot: Bootstrap | None = None  # once welcomed
+        self.private_dir = ""  # the runner's, where it runs on this machine
 
     def send(self, message: dict[str, Any]) -> None:
         with contextlib.suppress(zmq.ZMQError):
@@ -258,7 +259,7 @@ class Joiner:
                                  env={}, gpus=None, launch_prefix=[],
                                  torch_env=dict(welcome["torch_env"]))
         self.ranks.add(proc)
-        self.boot = boot
+        self.boot, self.private_dir = boot, str(welcome.get("private_dir", ""))
         self.send({JOIN_KIND: Join.STARTED, "pid": proc.pid})
         return proc
 
@@ -300,18 +301,25 @@ class Joiner:
                 self.send({JOIN_KIND: Join.BEAT})
 
     def reclaim(self) -> None:
-        """The runner fell silent: if it shared this machine's memory and is dead (its
-        owner lock free), remove what it left in /dev/shm and /tmp, as its own ranks
-        would (never a live runner's: another runner's start() does the same)."""
+        """The runner is gone: if it shared this machine's memory and is dead (its owner
+        locks free), remove what it left in /dev/shm and its private directory, as its
+        own ranks would; only this runner's, and never a live one's."""
         boot = self.boot
         if boot is None or not boot.shared_memory:
             return
         lock = os.path.join(boot.shm_dir, f"{boot.shm_prefix}.{OWNER_LOCK}")
         deadline = time.monotonic() + RECLAIM_WITHIN
-        while os.path.lexists(lock) and time.monotonic() < deadline:
-            segments.reclaim_dead_owners(boot.shm_dir)  # a SIGKILLed owner may still exit
+        while os.path.lexists(lock) and not segments.lock_free(lock):
+            if time.monotonic() > deadline:
+                return  # alive after all (a network gone, not the runner): not ours
+            time.sleep(0.02)  # a SIGKILLed owner may still be exiting
+        for _ in range(2):  # again: a rank of another joiner may have made one meanwhile
+            segments.remove_prefix(boot.shm_dir, boot.shm_prefix)
             time.sleep(0.05)
-        reclaim_dead_ipc_dirs()
+        private = self.private_dir
+        owner = os.path.join(private, OWNER_LOCK)
+        if private and os.path.lexists(owner) and segments.lock_free(owner):
+            shutil.rmtree(private, ignore_errors=True)
 
     def answer(self, message: dict[str, Any], proc: RankProcess) -> int | None:
         kind = message[JOIN_KIND]

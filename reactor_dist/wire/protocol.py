@@ -453,7 +453,9 @@ def torchrun_env(rank: int, world_size: int, master_port: int,
 #     joiner                                  runner (placement.external.ExternalGroup)
 #     hello   {version, wire, rank, world_size, local_rank, worker, host, pid, address,
 #              port, probe: [name, content] (a /dev/shm file: do we share memory?)}
-#                        <- welcome {bootstrap (protocol.Bootstrap.to_bytes), torch_env}
+#                        <- welcome {bootstrap (protocol.Bootstrap.to_bytes), torch_env,
+#                                    private_dir (the runner's, to a joiner that shares
+#                                    its memory: removed if the runner dies)}
 #                        <- refused {why}: the joiner says why and exits 2
 #     started {pid}   its rank process runs
 #     beat    {}      every JOIN_BEAT_EVERY s both ways: a joiner silent JOIN_SILENCE s is
