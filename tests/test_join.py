@@ -23,6 +23,7 @@ from join_workers import Frames
 from probe import Probe
 from restart_workers import HangIn, Pid
 
+import reactor_dist
 from reactor_dist import (
     DistributedRunner,
     External,
@@ -87,8 +88,10 @@ def joiners(tmp_path):
     made.close()
 
 
-def started(runner: DistributedRunner, joiners: Joiners, ranks=None) -> None:
-    """start() in a thread; each rank's joiner once the join command is known."""
+def started(runner: DistributedRunner, joiners: Joiners, ranks=None,
+            join=None) -> None:
+    """start() in a thread; once the join command is known, each of ``ranks``' joiners
+    (default: every rank's), or ``join(runner)`` starts them."""
     failed: list[BaseException] = []
 
     def start() -> None:
@@ -101,8 +104,11 @@ def started(runner: DistributedRunner, joiners: Joiners, ranks=None) -> None:
     thread.start()
     while not runner.join_command and thread.is_alive():
         time.sleep(0.02)
-    for rank in range(runner.world_size) if ranks is None else ranks:
-        joiners.start(runner, rank, name=f"rank{rank}")
+    if join is not None:
+        join(runner)
+    else:
+        for rank in range(runner.world_size) if ranks is None else ranks:
+            joiners.start(runner, rank, name=f"rank{rank}")
     thread.join(120)
     if failed:
         raise failed[0]
@@ -114,6 +120,15 @@ def external_runner(world_size: int = 2, **options) -> DistributedRunner:
     options.setdefault("call_timeout", 30.0)
     options.setdefault("shutdown_grace", 2.0)
     return DistributedRunner(Frames, world_size=world_size, placement="external", **options)
+
+
+def crash_of(runner: DistributedRunner) -> WorkerCrashed:
+    """The WorkerCrashed of the calls after a death (noticed within a beat or two)."""
+    with pytest.raises(WorkerCrashed) as failed:
+        for _ in range(200):
+            runner.generate(1.0)
+            time.sleep(0.02)
+    return failed.value
 
 
 def rank_pids(runner: DistributedRunner) -> list[int]:
@@ -149,13 +164,12 @@ OTHER_MEMORY = ("unshare", "--mount", "sh", "-c", 'mount -t tmpfs none /dev/shm 
 
 def test_a_rank_without_our_shared_memory_gets_its_frames_over_tcp(joiners):
     runner = external_runner()
-    thread = threading.Thread(target=runner.start)
-    thread.start()
-    while not runner.join_command:
-        time.sleep(0.02)
-    joiners.start(runner, 0, wrap=OTHER_MEMORY, name="rank0")  # rank 0: its result too
-    joiners.start(runner, 1, name="rank1")
-    thread.join(120)
+
+    def join(runner: DistributedRunner) -> None:
+        joiners.start(runner, 0, wrap=OTHER_MEMORY, name="rank0")  # rank 0: its result too
+        joiners.start(runner, 1, name="rank1")
+
+    started(runner, joiners, join=join)
     assert runner.healthy and not Probe(runner).shares_memory
     frame = np.arange(2 * 1024 * 1024, dtype=np.uint16).reshape(1024, 2048)
     out = runner.generate(frame)
@@ -212,16 +226,58 @@ def test_bad_joins_are_refused_and_the_runner_carries_on(joiners, tmp_path, capl
     runner.shutdown()
 
 
-def test_a_rank_srun_started_takes_its_rank_from_slurms_environment(joiners):
+def test_malformed_join_messages_are_dropped_and_the_join_socket_serves_on(joiners, caplog):
+    """An authenticated peer that sends what no joiner sends (not msgpack, not a map, a
+    hello whose fields have the wrong types) while start() waits: one record each, and
+    the join socket's thread goes on: the ranks join, and a death is noticed after."""
+    import msgpack
+    import zmq
+
+    from reactor_dist.wire.protocol import JOIN_KIND, split_join_secret
+
+    dropped = "dropped a message on the join socket that is not a join message"
+    caplog.set_level(logging.WARNING, logger="reactor_dist")
+
+    def join(runner: DistributedRunner) -> None:
+        command = runner.join_command.split()
+        server, secret = split_join_secret(open(command[-1]).read())
+        ctx = zmq.Context()
+        peer = ctx.socket(zmq.DEALER)
+        peer.curve_serverkey, peer.curve_secretkey = server, secret
+        peer.curve_publickey = zmq.curve_public(secret)
+        peer.connect(command[2])
+        hello = {JOIN_KIND: "hello", "version": reactor_dist.__version__, "wire": 2,
+                 "rank": 1, "world_size": 2, "worker": WORKER, "local_rank": "first"}
+        for data in (b"\xc1", msgpack.packb([1, 2]), msgpack.packb(hello)):
+            peer.send(data)
+        deadline = time.monotonic() + 30
+        while sum(r.getMessage() == dropped for r in caplog.records) < 3:
+            assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+            time.sleep(0.02)
+        peer.close(linger=0)
+        ctx.term()
+        for rank in range(2):
+            joiners.start(runner, rank, name=f"rank{rank}")
+
     runner = external_runner()
-    thread = threading.Thread(target=runner.start)
-    thread.start()
-    while not runner.join_command:
-        time.sleep(0.02)
-    joiners.start(runner, 0, name="rank0")
-    slurm = {**joiner_env(), "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
-    joiners.start(runner, None, env=slurm, name="rank1")
-    thread.join(120)
+    started(runner, joiners, join=join)
+    pids = rank_pids(runner)
+    joiners.procs["rank1"].kill()
+    assert f"rank 1 (pid {pids[1]} on {os.uname().nodename}): its joiner's connection " \
+           f"closed" in str(crash_of(runner))
+    runner.shutdown()
+
+
+def test_a_rank_srun_started_takes_its_rank_from_slurms_environment(joiners):
+    runner = external_runner(start_timeout=None)  # no limit: waits in slices
+
+    def join(runner: DistributedRunner) -> None:
+        joiners.start(runner, 0, name="rank0")
+        slurm = {**joiner_env(), "SLURM_PROCID": "1", "SLURM_NTASKS": "2",
+                 "SLURM_LOCALID": "0"}
+        joiners.start(runner, None, env=slurm, name="rank1")
+
+    started(runner, joiners, join=join)
     assert runner.healthy and runner.generate(1.0) == [2.0, 5.0, 8.0, 11.0]
     host = os.uname().nodename
     assert [(r.rank, r.host) for r in runner.ranks] == [(0, host), (1, host)]
@@ -234,14 +290,11 @@ def test_a_dead_joined_rank_fails_the_call_and_restart_keeps_the_survivor(joiner
     started(runner, joiners)
     survivor, victim = rank_pids(runner)
     os.kill(victim, signal.SIGKILL)
-    with pytest.raises(WorkerCrashed) as failed:
-        for _ in range(200):  # the death is noticed within a beat or two
-            runner.generate(1.0)
-            time.sleep(0.02)
-    message = str(failed.value)
+    crashed = crash_of(runner)
+    message = str(crashed)
     host = os.uname().nodename
     assert f"rank 1 (pid {victim} on {host}) killed by SIGKILL" in message
-    assert [(f.rank, f.host) for f in failed.value.failures] == [(1, host)]
+    assert [(f.rank, f.host) for f in crashed.failures] == [(1, host)]
     assert joiners.procs["rank1"].wait(10) == 1  # its launcher would start it again
     joiners.start(runner, 1, name="rank1-again")
     runner.restart()
@@ -282,11 +335,7 @@ def test_a_killed_or_stopped_joiner_is_noticed(joiners, sig, noticed):
     started(runner, joiners)
     pids = rank_pids(runner)
     os.kill(joiners.procs["rank1"].pid, sig)
-    with pytest.raises(WorkerCrashed) as failed:
-        for _ in range(200):
-            runner.generate(1.0)
-            time.sleep(0.02)
-    assert f"rank 1 (pid {pids[1]} on {os.uname().nodename}): {noticed}" in str(failed.value)
+    assert f"rank 1 (pid {pids[1]} on {os.uname().nodename}): {noticed}" in str(crash_of(runner))
     runner.shutdown()
     assert joiners.procs["rank0"].wait(10) == 0
     joiners.procs["rank1"].kill()  # a stopped one ends here; its rank goes with it

@@ -26,6 +26,7 @@ its handle on one rank (base.Rank).  The join socket's messages are laid out in
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import queue
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
 POLL_MS = 20  # the join socket's thread: how often it looks at its queue and the beats
 STOPPED_EVERY = 0.5  # seconds between two questions to a joiner whether its rank is stopped
 BEAT = msgpack.packb({JOIN_KIND: Join.BEAT})
+STACKS_WITHIN = 10.0  # seconds a joiner has to send its rank's stacks
 END_SLACK = 2.0  # seconds a joiner may take beyond the grace it was given to end its rank
 log = logging.getLogger("reactor_dist")
 
@@ -120,7 +122,7 @@ class JoinedRank(Rank):
         self.address = str(hello.get("address", ""))
         self.local_rank = int(hello.get("local_rank", 0))
         self.port = int(hello.get("port", 0))  # a free port on its node (MASTER_PORT)
-        self.shared = bool(hello.get("shared"))  # it maps this machine's /dev/shm
+        self.shared = False  # it maps this machine's /dev/shm (the group reads its probe)
         self.pid = 0  # its rank's process, on its node, once started
         self.heard = time.monotonic()
         self.report: str | None = None  # its crash report, once dead (or ended)
@@ -128,7 +130,7 @@ class JoinedRank(Rank):
         self.lines: list[str] = []
         self.started, self.ended = threading.Event(), threading.Event()
         self._stopped, self._stopped_asked = False, 0.0
-        self._stacks: dict[int, tuple[threading.Event, list[str]]] = {}
+        self._stacks: dict[int, JoinedStacks] = {}  # asked, not answered yet
 
     @property
     def launcher_pid(self) -> int:
@@ -143,6 +145,8 @@ class JoinedRank(Rank):
             self.report, self.returncode, self.lines = report, returncode, list(lines)
         self.started.set()
         self.ended.set()
+        for asked in self._stacks.values():  # no answer will come
+            asked.done.set()
 
     def alive(self) -> bool:
         return self.report is None
@@ -171,15 +175,15 @@ class JoinedRank(Rank):
 
     def stacks_later(self) -> JoinedStacks:
         asked = JoinedStacks(self)
-        self._stacks[asked.ident] = (asked.done, asked.text_box)
+        self._stacks[asked.ident] = asked
         self.group.send(self, {JOIN_KIND: Join.STACKS, "id": asked.ident})
         return asked
 
     def answered_stacks(self, ident: int, text: str) -> None:
-        done, box = self._stacks.pop(ident, (None, None))
-        if done is not None and box is not None:
-            box.append(text)
-            done.set()
+        asked = self._stacks.pop(ident, None)
+        if asked is not None:
+            asked.text_box.append(text)
+            asked.done.set()
 
     def watch_with(self, deaths: DeathWatch) -> None:
         deaths.watched_elsewhere(self)  # the group's thread calls deaths.notice
@@ -205,18 +209,19 @@ class JoinedRank(Rank):
 class JoinedStacks:
     """A joined rank's stacks on their way (its joiner's answer)."""
 
-    _next = 0
+    _idents = itertools.count(1)
 
     def __init__(self, handle: JoinedRank) -> None:
-        JoinedStacks._next += 1
-        self.ident, self.handle = JoinedStacks._next, handle
+        self.ident, self.handle = next(JoinedStacks._idents), handle
         self.done, self.text_box = threading.Event(), []
 
     def text(self) -> str:
-        if self.done.wait(10.0) and self.text_box:
+        self.done.wait(STACKS_WITHIN)
+        if self.text_box:
             return self.text_box[0]
-        return f"rank {self.handle.rank} ({self.handle.where()}): no stacks (its joiner " \
-               f"did not send them within 10 s)"
+        why = "is gone" if not self.handle.alive() else \
+            f"did not send them within {STACKS_WITHIN:g} s"
+        return f"rank {self.handle.rank} ({self.handle.where()}): no stacks (its joiner {why})"
 
 
 class ExternalGroup(Placement):
@@ -357,7 +362,10 @@ class ExternalGroup(Placement):
                                "private_dir": self.private_dir if joined.shared else ""})
         for rank in sorted(ranks):
             joined = self.joined[rank]
-            if not joined.started.wait(max(deadline - time.monotonic(), 0.0)):
+            while not joined.started.wait(timeouts.slice_of(deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    break
+            if not joined.started.is_set():
                 raise PlacementFailed(f"rank {rank} ({joined.where()}) joined but did not "
                                       f"start its rank process during {what}")
 
@@ -412,16 +420,15 @@ class ExternalGroup(Placement):
 
     # -- the join socket's thread -----------------------------------------------------
     def _serve(self, sock: zmq.Socket) -> None:
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
         beat = last = time.monotonic()
         try:
             while not self._stop.is_set():
-                if poller.poll(POLL_MS):
-                    while sock.poll(0):
-                        frames = sock.recv_multipart()
-                        if len(frames) == 2:
-                            self._received(frames[0], frames[1])
+                wait_ms = POLL_MS
+                while sock.poll(wait_ms):  # every message that came, before any judging
+                    wait_ms = 0
+                    frames = sock.recv_multipart()
+                    if len(frames) == 2:
+                        self._received(frames[0], frames[1])
                 while not self.outbox.empty():
                     self._deliver(sock, *self.outbox.get())
                 now = time.monotonic()
@@ -475,30 +482,35 @@ class ExternalGroup(Placement):
         try:
             message = msgpack.unpackb(data, raw=False)
             kind = message[JOIN_KIND]
-        except Exception:
+            with self.changed:
+                self._handle(identity, kind, message)
+        except (msgpack.UnpackException, ValueError, TypeError, KeyError, AttributeError):
+            # Not msgpack, not a map, or a field of the wrong type: an authenticated peer
+            # of another version, say.  Never the end of this thread.
             log.warning("dropped a message on the join socket that is not a join message")
+
+    def _handle(self, identity: bytes, kind: Any, message: dict[str, Any]) -> None:
+        """Under ``changed``: one message from a joiner."""
+        if kind == Join.HELLO:
+            self._hello(identity, message)
             return
-        with self.changed:
-            if kind == Join.HELLO:
-                self._hello(identity, message)
-                return
-            joined = next((j for j in (*self.waiting.values(), *self.joined.values())
-                           if j.identity == identity), None)
-            if joined is None:
-                return  # a joiner refused, or ended: nothing of ours
-            joined.heard = time.monotonic()
-            if kind == Join.STARTED:
-                joined.pid = int(message.get("pid", 0))
-                joined.started.set()
-            elif kind == Join.DIED:
-                self._gone(joined, str(message.get("report", "")), message.get("returncode"),
-                           [str(line) for line in message.get("lines", [])])
-            elif kind == Join.ENDED:
-                joined.ended.set()
-            elif kind == Join.STOPPED:
-                joined._stopped = bool(message.get("value"))
-            elif kind == Join.STACKS:
-                joined.answered_stacks(int(message.get("id", 0)), str(message.get("text", "")))
+        joined = next((j for j in (*self.waiting.values(), *self.joined.values())
+                       if j.identity == identity), None)
+        if joined is None:
+            return  # a joiner refused, or ended: nothing of ours
+        joined.heard = time.monotonic()
+        if kind == Join.STARTED:
+            joined.pid = int(message.get("pid", 0))
+            joined.started.set()
+        elif kind == Join.DIED:
+            self._gone(joined, str(message.get("report", "")), message.get("returncode"),
+                       [str(line) for line in message.get("lines", [])])
+        elif kind == Join.ENDED:
+            joined.ended.set()
+        elif kind == Join.STOPPED:
+            joined._stopped = bool(message.get("value"))
+        elif kind == Join.STACKS:
+            joined.answered_stacks(int(message.get("id", 0)), str(message.get("text", "")))
 
     def _hello(self, identity: bytes, hello: dict[str, Any]) -> None:
         why = self.refusal(hello)

@@ -172,6 +172,9 @@ class Joiner:
         self.monitor = self.sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
             zmq.EVENT_DISCONNECTED)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
         self.disconnected = False  # the runner's end closed (its process died)
         self.heard = 0.0  # when the runner last spoke (0: not yet)
         self.stopping = 0  # the signal that asks us to end (SIGTERM, SIGINT)
@@ -188,10 +191,7 @@ class Joiner:
     def receive(self, timeout_ms: int) -> dict[str, Any] | None:
         """The runner's next message within ``timeout_ms``; a refused handshake ends the
         join."""
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
-        ready = dict(poller.poll(timeout_ms))
+        ready = dict(self.poller.poll(timeout_ms))
         if self.monitor in ready:
             event = recv_monitor_message(self.monitor)
             if event["event"] == zmq.EVENT_DISCONNECTED:
@@ -207,10 +207,9 @@ class Joiner:
         self.heard = time.monotonic()
         try:
             message = msgpack.unpackb(self.sock.recv(), raw=False)
-            message[JOIN_KIND]
-        except Exception:
+        except ValueError:  # not msgpack (the runner authenticated: never ours to fear)
             return None
-        return message
+        return message if isinstance(message, dict) and JOIN_KIND in message else None
 
     def hello(self) -> dict[str, Any]:
         """Say hello and wait for the welcome (its bootstrap and torch environment)."""
