@@ -221,6 +221,22 @@ def test_an_acknowledgement_is_taken_as_its_fixed_fields():
 
 
 @FUZZ
+@given(st.integers(0, 2 ** 64 - 1), st.integers(0, 2 ** 31 - 1), st.floats(allow_nan=False),
+       st.none() | st.floats(allow_nan=False),
+       st.none() | st.binary(max_size=framing.EMBED_LIMIT))
+def test_a_plain_reply_is_the_frame_pack_makes(seq, rank, compute, wait, payload):
+    """A rank packs its every plain reply straight (Channel.plain_reply): byte for byte
+    what the header map would pack to, and taken back as the same fields."""
+    header = {Field.KIND: Kind.REPLY, Field.SEQ: seq, Field.RANK: rank,
+              Field.STATUS: Status.OK, Field.COMPUTE: compute}
+    if wait is not None:
+        header[Field.COLLECTIVE_WAIT] = wait
+    frame = CHANNEL.plain_reply(seq, rank, compute, wait, payload)
+    assert [frame] == CHANNEL.pack(dict(header), [] if payload is None else [payload])
+    assert CHANNEL.unpack([frame]) == (header, [] if payload is None else [payload])
+
+
+@FUZZ
 @given(st.sampled_from(KINDS), st.integers(0, 2 ** 63 - 1), st.integers(-1, 7),
        st.binary(min_size=1, max_size=200), st.integers(0, 10 ** 6), st.integers(0, 255))
 def test_any_alteration_of_an_authentic_message_is_rejected(kind, seq, rank, payload, at, bit):

@@ -61,7 +61,7 @@ ZAP_DOMAIN = "reactor-dist"
 RETRY_FIRST, RETRY_MOST = 0.0005, 0.01
 REJECTIONS_LOGGED = 3  # dropped messages that get a log record each (rejected)
 NOBLOCK = int(zmq.NOBLOCK)
-ACK_RANK = 4  # an acknowledgement's rank, among HOT_HEAD's fields
+ACK_RANK, ACK_SEQ = 4, 5  # an acknowledgement's rank and call, among HOT_HEAD's fields
 log = logging.getLogger("reactor_dist")
 _FIRST, _FIRST_OF_MORE, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.SNDMORE)
 
@@ -297,6 +297,27 @@ class Bus:
                 not 0 <= header[Field.RANK] < self.world_size:
             return None
         return message
+
+    def gather(self, seq: int, owed: int, wait_ms: int, until: float | None) -> list[tuple]:
+        """What :meth:`receive` (``acks``) gives, in the order it arrived: the first message
+        waited for ``wait_ms``, then more, each waited for until the monotonic ``until``
+        (None: ``wait_ms``), as long as each is a plain reply of call ``seq`` and fewer
+        than ``owed`` of them came.  The caller that waits for its call takes every
+        acknowledgement of it in one pass, and any other message ends the pass (its
+        receiver judges it); empty when nothing authentic arrived in time."""
+        arrived: list[tuple] = []
+        message = self.receive(wait_ms, True)
+        while message is not None:
+            arrived.append(message)
+            if len(message) == 2 or message[ACK_SEQ] != seq:
+                break
+            owed -= 1
+            if owed <= 0:
+                break
+            if until is not None:
+                wait_ms = timeouts.wait_ms(until - time.monotonic())
+            message = self.receive(wait_ms, True)
+        return arrived
 
     def set_timeout(self, wait_ms: int) -> None:
         """The reply socket's RCVTIMEO for ``wait_ms``, unless within TIMEOUT_SLACK_MS of

@@ -444,24 +444,18 @@ class CallQueue:
             if memory.hungry is not None or path.results.has_released():
                 memory.flush()
             bus = path.bus
+            # The call the ranks run: its acknowledgements are taken in one pass, with
+            # the lock released once (what else arrives ends the pass).
+            head = engine.in_flight[0] if engine.in_flight else None
+            seq, owed = (head.seq, self.world_size - len(head.replies)) if head else (0, 1)
             self.lock.release()
             try:
                 if engine.settled:
                     self.settle_futures()
-                message = bus.receive(wait_ms, True)
-                arrived = None
-                while message is not None and bus.pull_events() & POLLIN:  # more, at once
-                    if arrived is None:
-                        arrived = [message]
-                    message = bus.receive(0, True)
-                    if message is not None:
-                        arrived.append(message)
+                arrived = bus.gather(seq, owed, wait_ms, until)
             finally:
                 self.lock.acquire()
-            if arrived is not None:
-                for message in arrived:
-                    self.dispatch(message)
-            elif message is not None:
+            for message in arrived:
                 self.dispatch(message)
         finally:
             self.receiving = False

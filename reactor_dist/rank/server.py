@@ -61,6 +61,10 @@ from . import collective_wait, flight_recorder
 from .group import Rendezvous, block_rank_signals, watch_abort
 from .memory import CALLER, Inbox, RankMemory
 
+# A reply's header fields when it holds nothing but its times (KIND, SEQ, STATUS, COMPUTE;
+# COLLECTIVE_WAIT besides, in a group): then it goes as framing.Channel.plain_reply.
+PLAIN_REPLY_FIELDS = 4
+
 log = logging.getLogger("reactor_dist")  # its records reach the caller's logging (log_records.py)
 
 
@@ -185,7 +189,14 @@ class RankServer:
                 continue
             header, body = message
             kind = header[Field.KIND]
-            if kind == Kind.PING:
+            if kind == Kind.CALL:  # the common command first
+                if header[Field.SEQ] > self.last_seq:
+                    self.last_seq = header[Field.SEQ]
+                    if self.held or not self.inbox.over(self.raised_in):
+                        self.held.append(message)
+                    else:
+                        self.start_call(header, body)
+            elif kind == Kind.PING:
                 self.send({Field.KIND: Kind.PONG, Field.SEQ: header[Field.SEQ],
                            Field.PID: os.getpid(), Field.PORT: port})
             elif kind in (Kind.INIT, Kind.REJOIN) and \
@@ -198,12 +209,6 @@ class RankServer:
             elif kind in (Kind.INIT, Kind.REJOIN):  # a repeat gets the same answer again
                 again, again_body = self.ready if kind == Kind.INIT else self.rejoined
                 self.send(dict(again), list(again_body))
-            elif kind == Kind.CALL and header[Field.SEQ] > self.last_seq:
-                self.last_seq = header[Field.SEQ]
-                if self.held or not self.inbox.over(self.raised_in):
-                    self.held.append(message)
-                else:
-                    self.start_call(header, body)
             elif kind == Kind.SHUTDOWN:
                 break
         self.close()
@@ -484,9 +489,20 @@ class RankServer:
         if log_records.written() != logged:  # the caller takes them in before it returns
             reply[Field.LOGGED] = True
         self.memory.tell(reply, released=True)
-        self.send(reply, payload)
+        status = reply[Field.STATUS]
+        wait = reply.get(Field.COLLECTIVE_WAIT)
+        if status == Status.OK and Field.COMPUTE in reply and \
+                len(reply) == PLAIN_REPLY_FIELDS + (wait is not None) and \
+                (not payload or (len(payload) == 1 and type(payload[0]) is bytes and
+                                 len(payload[0]) <= framing.EMBED_LIMIT)):
+            # The common reply: its one frame packed straight (framing.plain_reply).
+            self.push_send(self.channel.plain_reply(header[Field.SEQ], self.rank,
+                                                    reply[Field.COMPUTE], wait,
+                                                    payload[0] if payload else None))
+        else:
+            self.send(reply, payload)
         self.memory.check_written_views()
-        return reply[Field.STATUS]
+        return status
 
     def worker_method(self, name: str) -> Any:
         """The worker's public method ``name`` (the caller checked the class; this

@@ -69,10 +69,12 @@ MAX_FRAME = int(os.environ.get(MAX_FRAME_ENV) or MAX_FRAME_DEFAULT)
 MAX_MESSAGE = int(os.environ.get(MAX_MESSAGE_ENV) or MAX_MESSAGE_DEFAULT)
 COPY_LIMIT = 64 << 10  # received frames up to this size are copied into bytes (cheaper)
 _FIXED = (Field.KIND, Field.SEQ, Field.RANK)
-_REPLY_CODE = KIND_CODES[Kind.REPLY]
+_REPLY_CODE, _CALL_CODE = KIND_CODES[Kind.REPLY], KIND_CODES[Kind.CALL]
+_METHOD_CODES = Hot.CODES[Field.METHOD]
 # The flags of a reply Channel.take hands over undecoded (anything more is decoded whole).
 _TAKEN_FLAGS = Hot.LOGGED | Hot.COMPUTE | Hot.WAIT | Hot.EMBEDDED
 _SECONDS = ((Field.COMPUTE, Hot.COMPUTE), (Field.COLLECTIVE_WAIT, Hot.WAIT))  # HOT_HEAD's floats
+_pack_hot = HOT_HEAD.pack
 _CODE_AT = MAC_SIZE + 1  # where the kind's code is in a first frame
 # Every flag bit a hot kind may carry.
 _KNOWN_FLAGS = {kind: sum(booleans.values()) | Hot.COUNT | Hot.COMPUTE | Hot.WAIT
@@ -130,6 +132,14 @@ class Channel:
     def head(self, header: dict[str, Any], embedded: bytes | None = None) -> bytes:
         """A header's bytes (without the MAC), as protocol.HOT_HEAD and Hot lay them out."""
         kind = header[Field.KIND]
+        if kind == Kind.CALL and len(header) == 4 and Field.METHOD in header:
+            # The common command (KIND, METHOD, SEQ, RANK): a built-in method's code alone.
+            value = _METHOD_CODES.get(header[Field.METHOD], 0)
+            if value:
+                head = _pack_hot(WIRE_VERSION, _CALL_CODE, 0 if embedded is None else
+                                 Hot.EMBEDDED, value, header[Field.RANK], header[Field.SEQ],
+                                 0.0, 0.0, 0)
+                return head if embedded is None else head + embedded
         code = KIND_CODES.get(kind)
         if code is None:
             raise ValueError(f"reactor_dist bug: no message kind {kind!r}")
@@ -170,6 +180,22 @@ class Channel:
         if extras:
             head += EXTRAS_SIZE.pack(len(extras)) + extras
         return head if embedded is None else head + embedded
+
+    def plain_reply(self, seq: int, rank: int, compute: float, wait: float | None,
+                    payload: bytes | None) -> bytes:
+        """The one frame of a REPLY of status OK that holds only its times and at most a
+        small payload (``len(payload) <= EMBED_LIMIT``): what :meth:`pack` makes of it,
+        without a header map (a rank's every call; :meth:`take` reads it as fields)."""
+        flags = Hot.COMPUTE
+        if wait is not None:
+            flags |= Hot.WAIT
+        head = _pack_hot(WIRE_VERSION, _REPLY_CODE, flags if payload is None else
+                         flags | Hot.EMBEDDED, Hot.OK, rank, seq, compute, wait or 0.0, 0)
+        if payload is not None:
+            head += payload
+        digest = self._one_frame.copy()
+        digest.update(head)
+        return digest.digest() + head
 
     def unpack(self, parts: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
         """Verify and decode one message: ``(header, body frames)``, else ProtocolError."""

@@ -230,6 +230,12 @@ def encode(obj: Any, ledger: Ledger, what: str, holders: Iterable[Hashable],
     ``staging`` (rank 0) puts its large device tensors straight into ``ledger``'s
     segments (they must be found there: ``reuse_segments``).
     """
+    if type(obj) in _SCALARS:  # the per-call fast path: one pickle stream, nothing else
+        stream = pickle.dumps(obj, protocol=5)
+        if len(stream) <= framing.MAX_FRAME:
+            if digest is not None:
+                digest.update(stream)
+            return [], [stream], []
     try:
         stream, buffers = dumps(obj, _room_check(ledger, what, inline_limit), staging)
     except Exception as exc:
