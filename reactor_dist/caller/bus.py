@@ -221,12 +221,11 @@ class Bus:
             raise ValueError(f"a {header[Field.KIND]} command is tried once: no deadline")
         with self.pub_lock:  # the packer's buffer too is one per channel
             frames = self._pack(header, body)
+            if self._send(frames):  # the common command: one lock cycle
+                return True
+            self._drop_subscriptions()
         pause = RETRY_FIRST
         while True:
-            with self.pub_lock:
-                if self._send(frames):
-                    return True
-                self._drop_subscriptions()
             if not patient:
                 return False
             left = None if deadline is None else deadline - time.monotonic()
@@ -236,6 +235,10 @@ class Bus:
                     f"{self.bound} commands it has not taken up ({SEND_BOUND_ENV})")
             time.sleep(pause if left is None else min(pause, left))
             pause = min(pause * 2, RETRY_MOST)
+            with self.pub_lock:
+                if self._send(frames):
+                    return True
+                self._drop_subscriptions()
 
     def _pack(self, header: dict[str, Any], body: list | tuple) -> list[Any]:
         header[Field.RANK] = -1
