@@ -224,15 +224,21 @@ def test_an_acknowledgement_is_taken_as_its_fixed_fields():
 @given(st.integers(0, 2 ** 64 - 1), st.integers(0, 2 ** 31 - 1), st.floats(allow_nan=False),
        st.none() | st.floats(allow_nan=False),
        st.none() | st.binary(max_size=framing.EMBED_LIMIT))
-def test_a_plain_reply_is_the_frame_pack_makes(seq, rank, compute, wait, payload):
-    """A rank packs its every plain reply straight (Channel.plain_reply): byte for byte
-    what the header map would pack to, and taken back as the same fields."""
+def test_a_plain_reply_is_one_fixed_frame(seq, rank, compute, wait, payload):
+    """Every rank's plain reply (status OK, its times, at most a small payload), packed
+    straight without the general path: HOT_HEAD with exactly these fields, then the
+    payload, and decoded back as sent."""
     header = {Field.KIND: Kind.REPLY, Field.SEQ: seq, Field.RANK: rank,
               Field.STATUS: Status.OK, Field.COMPUTE: compute}
+    flags = 0x10 | (0 if payload is None else 0x40)
     if wait is not None:
         header[Field.COLLECTIVE_WAIT] = wait
-    frame = CHANNEL.plain_reply(seq, rank, compute, wait, payload)
-    assert [frame] == CHANNEL.pack(dict(header), [] if payload is None else [payload])
+        flags |= 0x20
+    (frame,) = CHANNEL.pack(dict(header), [] if payload is None else [payload])
+    assert HOT_HEAD.unpack_from(frame, framing.MAC_SIZE) == (
+        WIRE_VERSION, KIND_CODES[Kind.REPLY], flags, 1, rank, seq, compute,
+        0.0 if wait is None else wait, 0)
+    assert frame[framing.MAC_SIZE + HOT_HEAD.size:] == (payload or b"")
     assert CHANNEL.unpack([frame]) == (header, [] if payload is None else [payload])
 
 

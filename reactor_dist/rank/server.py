@@ -61,10 +61,6 @@ from . import collective_wait, flight_recorder
 from .group import Rendezvous, block_rank_signals, watch_abort
 from .memory import CALLER, Inbox, RankMemory
 
-# A reply's header fields when it holds nothing but its times (KIND, SEQ, STATUS, COMPUTE;
-# COLLECTIVE_WAIT besides, in a group): then it goes as framing.Channel.plain_reply.
-PLAIN_REPLY_FIELDS = 4
-
 log = logging.getLogger("reactor_dist")  # its records reach the caller's logging (log_records.py)
 
 
@@ -489,20 +485,9 @@ class RankServer:
         if log_records.written() != logged:  # the caller takes them in before it returns
             reply[Field.LOGGED] = True
         self.memory.tell(reply, released=True)
-        status = reply[Field.STATUS]
-        wait = reply.get(Field.COLLECTIVE_WAIT)
-        if status == Status.OK and Field.COMPUTE in reply and \
-                len(reply) == PLAIN_REPLY_FIELDS + (wait is not None) and \
-                (not payload or (len(payload) == 1 and type(payload[0]) is bytes and
-                                 len(payload[0]) <= framing.EMBED_LIMIT)):
-            # The common reply: its one frame packed straight (framing.plain_reply).
-            self.push_send(self.channel.plain_reply(header[Field.SEQ], self.rank,
-                                                    reply[Field.COMPUTE], wait,
-                                                    payload[0] if payload else None))
-        else:
-            self.send(reply, payload)
+        self.send(reply, payload)
         self.memory.check_written_views()
-        return status
+        return reply[Field.STATUS]
 
     def worker_method(self, name: str) -> Any:
         """The worker's public method ``name`` (the caller checked the class; this

@@ -59,6 +59,7 @@ from .protocol import (
     Field,
     Hot,
     Kind,
+    Status,
 )
 
 __all__ = ["MAC_SIZE", "SECRET_SIZE", "EMBED_LIMIT", "Channel", "ProtocolError", "send",
@@ -132,14 +133,9 @@ class Channel:
     def head(self, header: dict[str, Any], embedded: bytes | None = None) -> bytes:
         """A header's bytes (without the MAC), as protocol.HOT_HEAD and Hot lay them out."""
         kind = header[Field.KIND]
-        if kind == Kind.CALL and len(header) == 4 and Field.METHOD in header:
-            # The common command (KIND, METHOD, SEQ, RANK): a built-in method's code alone.
-            value = _METHOD_CODES.get(header[Field.METHOD], 0)
-            if value:
-                head = _pack_hot(WIRE_VERSION, _CALL_CODE, 0 if embedded is None else
-                                 Hot.EMBEDDED, value, header[Field.RANK], header[Field.SEQ],
-                                 0.0, 0.0, 0)
-                return head if embedded is None else head + embedded
+        plain = _plain_head(kind, header, embedded)
+        if plain is not None:
+            return plain
         code = KIND_CODES.get(kind)
         if code is None:
             raise ValueError(f"reactor_dist bug: no message kind {kind!r}")
@@ -180,22 +176,6 @@ class Channel:
         if extras:
             head += EXTRAS_SIZE.pack(len(extras)) + extras
         return head if embedded is None else head + embedded
-
-    def plain_reply(self, seq: int, rank: int, compute: float, wait: float | None,
-                    payload: bytes | None) -> bytes:
-        """The one frame of a REPLY of status OK that holds only its times and at most a
-        small payload (``len(payload) <= EMBED_LIMIT``): what :meth:`pack` makes of it,
-        without a header map (a rank's every call; :meth:`take` reads it as fields)."""
-        flags = Hot.COMPUTE
-        if wait is not None:
-            flags |= Hot.WAIT
-        head = _pack_hot(WIRE_VERSION, _REPLY_CODE, flags if payload is None else
-                         flags | Hot.EMBEDDED, Hot.OK, rank, seq, compute, wait or 0.0, 0)
-        if payload is not None:
-            head += payload
-        digest = self._one_frame.copy()
-        digest.update(head)
-        return digest.digest() + head
 
     def unpack(self, parts: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
         """Verify and decode one message: ``(header, body frames)``, else ProtocolError."""
@@ -270,15 +250,38 @@ class Channel:
     def recv(self, sock: zmq.Socket) -> tuple[dict[str, Any], list[Any]]:
         """Receive, verify and decode one whole message (blocking; zmq.Again after
         RCVTIMEO)."""
-        parts = receive(sock)
-        if len(parts) == 1:  # the common message: verified and decoded with no detour
-            first = parts[0]
-            if type(first) is bytes and len(first) > MAC_SIZE:
-                digest = self._one_frame.copy()
-                digest.update(first[MAC_SIZE:])
-                if compare_digest(first[:MAC_SIZE], digest.digest()):
-                    return self.decoded(first, [])
-        return self.unpack(parts)  # refused there, as every other message
+        return self.unpack(receive(sock))
+
+
+def _plain_head(kind: str, header: dict[str, Any], embedded: bytes | None) -> bytes | None:
+    """The header bytes of the two commonest messages, packed straight (what
+    :meth:`Channel.head`'s general path makes of them): a CALL of a built-in method with
+    nothing else to say (KIND, METHOD, SEQ, RANK), and a REPLY of status OK that holds
+    only its times (KIND, SEQ, RANK, STATUS, COMPUTE, maybe COLLECTIVE_WAIT; every rank's
+    acknowledgement).  None for any other header."""
+    flags = 0 if embedded is None else Hot.EMBEDDED
+    if kind == Kind.CALL:
+        if len(header) != 4 or Field.METHOD not in header:
+            return None
+        value = _METHOD_CODES.get(header[Field.METHOD], 0)
+        if not value:
+            return None
+        head = _pack_hot(WIRE_VERSION, _CALL_CODE, flags, value, header[Field.RANK],
+                         header[Field.SEQ], 0.0, 0.0, 0)
+    elif kind == Kind.REPLY:
+        if not 5 <= len(header) <= 6 or header.get(Field.STATUS) != Status.OK:
+            return None
+        compute, wait = header.get(Field.COMPUTE), header.get(Field.COLLECTIVE_WAIT, 0.0)
+        if type(compute) is not float or type(wait) is not float or \
+                len(header) != 5 + (Field.COLLECTIVE_WAIT in header):
+            return None
+        if Field.COLLECTIVE_WAIT in header:
+            flags |= Hot.WAIT
+        head = _pack_hot(WIRE_VERSION, _REPLY_CODE, flags | Hot.COMPUTE, Hot.OK,
+                         header[Field.RANK], header[Field.SEQ], compute, wait, 0)
+    else:
+        return None
+    return head if embedded is None else head + embedded
 
 
 def decode(head: Any) -> dict[str, Any]:

@@ -128,8 +128,6 @@ def dumps(obj: Any, admit: Callable[[int], None] | None = None,
           staging: Any = None) -> tuple[bytes, list[pickle.PickleBuffer]]:
     """The pickle stream and out-of-band buffers of ``obj``; given ``staging``, the
     device-to-host copies it queued are done when this returns (or raises)."""
-    if type(obj) in _SCALARS:  # the per-call fast path: no buffers, no custom pickler
-        return pickle.dumps(obj, protocol=5), []
     buffers: list[pickle.PickleBuffer] = []
     stream = io.BytesIO()
     pickler = _Pickler(stream, protocol=5, buffer_callback=buffers.append)
