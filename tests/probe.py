@@ -53,6 +53,12 @@ class Probe:
         return self._queue.engine
 
     @property
+    def reply_descriptor(self) -> int:
+        """The reply socket's descriptor, which an event loop's reader watches while a
+        task awaits a call (call_queue.CallQueue.add_waker)."""
+        return self._supervisor.bus.pull_fd
+
+    @property
     def shares_memory(self) -> bool:
         """Every rank maps this machine's /dev/shm: payloads go through it (else in-band)."""
         return self._supervisor.placement.shares_memory

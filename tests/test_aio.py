@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from probe import Probe
 from sample_workers import FAULT, Echo, ExitsOnRank, Raises, Sleep
 from stream_workers import Counts, RaisesAfter, Slow
 
@@ -188,3 +189,25 @@ def test_one_runner_across_two_event_loops(runner_for):
     finally:
         asyncio.run(runner.ashutdown())
     assert not runner.healthy
+
+
+
+@pytest.mark.parametrize("ending", ["shutdown() in the task", "await ashutdown()"])
+def test_a_loop_watches_nothing_of_a_runner_shut_down(runner_for, ending):
+    """A task's loop keeps its reader on the reply socket from one call to the next;
+    shutdown takes it away before the socket closes, whichever thread shuts down.  A
+    reader left on a closed descriptor would swallow the next file the loop watches
+    under that number."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        runner = runner_for(Echo)
+        await runner.astart()
+        descriptor = Probe(runner).reply_descriptor
+        assert [await runner.agenerate(i) for i in range(3)] == [0, 1, 2]
+        if ending == "await ashutdown()":
+            await runner.ashutdown()
+        else:
+            runner.shutdown()  # right after the call: before the loop's next turn
+        return loop.remove_reader(descriptor)  # True: a reader was still there
+
+    assert asyncio.run(main()) is False

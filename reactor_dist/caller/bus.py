@@ -302,12 +302,13 @@ class Bus:
         return message
 
     def gather(self, seq: int, owed: int, wait_ms: int, until: float | None) -> list[tuple]:
-        """What :meth:`receive` (``acks``) gives, in the order it arrived: the first message
-        waited for ``wait_ms``, then more, each waited for until the monotonic ``until``
-        (None: ``wait_ms``), as long as each is a plain reply of call ``seq`` and fewer
-        than ``owed`` of them came.  The caller that waits for its call takes every
-        acknowledgement of it in one pass, and any other message ends the pass (its
-        receiver judges it); empty when nothing authentic arrived in time."""
+        """What :meth:`receive` (``acks``) gives, in the order it arrived: each message
+        waited for ``wait_ms``, but never past the monotonic ``until`` (None: no limit),
+        as long as each is a plain reply of call ``seq`` and fewer than ``owed`` of them
+        came.  The caller that waits for its call takes every acknowledgement of it in
+        one pass, and any other message ends the pass (its receiver judges it); empty
+        when nothing authentic arrived in time.  Every wait of a pass keeps the first
+        one's RCVTIMEO unless ``until`` is nearer: setting it costs microseconds."""
         arrived: list[tuple] = []
         message = self.receive(wait_ms, True)
         while message is not None:
@@ -317,7 +318,7 @@ class Bus:
             owed -= 1
             if owed <= 0:
                 break
-            if until is not None:
+            if until is not None and until - time.monotonic() < wait_ms / 1000:
                 wait_ms = timeouts.wait_ms(until - time.monotonic())
             message = self.receive(wait_ms, True)
         return arrived

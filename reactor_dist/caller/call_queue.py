@@ -272,6 +272,7 @@ class CallQueue:
             if self.session is not None:
                 self.session.close()
         self.stop_collector()
+        self.drop_readers()
         self.settle_futures()
 
     # -- sending ---------------------------------------------------------------------------
@@ -660,23 +661,66 @@ class CallQueue:
         """Under the lock: a task waits; its loop watches the reply socket meanwhile."""
         self.wakers.append(waker)
         loop = waker.loop
-        if not self.readers.get(loop):
+        if loop not in self.readers:  # a count of 0: its reader is still there
             assert self.path is not None
+            for closed in [other for other in self.readers if other.is_closed()]:
+                del self.readers[closed]  # closed before its reader's turn came
             loop.add_reader(self.path.bus.pull_fd, self.readable, loop)
         self.readers[loop] = self.readers.get(loop, 0) + 1
 
     def remove_waker(self, waker: Waker) -> None:
+        """Under the lock: a task stopped waiting.  The loop's reader goes at the loop's
+        next turn if no task of it waits by then: a task that awaits call after call
+        waits again before that, and keeps the reader (no register and unregister
+        per call)."""
         self.wakers.remove(waker)
         loop = waker.loop
         self.readers[loop] -= 1
         if not self.readers[loop]:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: its reader is gone
+                loop.call_soon(self.drop_reader, loop)
+
+    def drop_reader(self, loop: asyncio.AbstractEventLoop) -> None:
+        """In ``loop``: its reader on the reply socket goes, unless a task waits again
+        (or shutdown took it already: :meth:`drop_readers`)."""
+        with self.lock:
+            if self.readers.get(loop, 1):
+                return
             del self.readers[loop]
             if self.path is not None and not loop.is_closed():
                 with contextlib.suppress(Exception):  # the bus may be closed by now
                     loop.remove_reader(self.path.bus.pull_fd)
+
+    def drop_readers(self) -> None:
+        """Shutdown, before the bus closes: the readers no task uses any more go now, in
+        their loops' threads.  A reader left on a closed descriptor would meet the next
+        file its loop watches under the same number."""
+        with self.lock:
+            idle = [loop for loop, count in self.readers.items() if not count]
+            for loop in idle:
+                del self.readers[loop]
+            fd = self.path.bus.pull_fd if self.path is not None else None
+        for loop in idle:
+            if fd is None or loop.is_closed():
+                continue
+            with contextlib.suppress(RuntimeError):
+                if asyncio.get_running_loop() is loop:  # shutdown() from a task of it
+                    loop.remove_reader(fd)
+                    continue
+            removed = threading.Event()
+            with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing to remove
+                loop.call_soon_threadsafe(_remove_reader, loop, fd, removed)
+                removed.wait(WAKE)  # a loop that does not run now removes it when it does
 
     def readable(self, loop: asyncio.AbstractEventLoop) -> None:
         """In ``loop``: the reply socket may have a message; its tasks look."""
         for waker in list(self.wakers):
             if waker.loop is loop:
                 waker.set()
+
+
+def _remove_reader(loop: asyncio.AbstractEventLoop, fd: int, removed: threading.Event) -> None:
+    """In ``loop`` (CallQueue.drop_readers): its reader on ``fd`` goes; then ``removed``."""
+    with contextlib.suppress(Exception):
+        loop.remove_reader(fd)
+    removed.set()
