@@ -34,6 +34,7 @@ from reactor_dist.wire.protocol import (
     WIRE_VERSION,
     Field,
     Kind,
+    Method,
     Status,
 )
 
@@ -240,6 +241,22 @@ def test_a_plain_reply_is_one_fixed_frame(seq, rank, compute, wait, payload):
         0.0 if wait is None else wait, 0)
     assert frame[framing.MAC_SIZE + HOT_HEAD.size:] == (payload or b"")
     assert CHANNEL.unpack([frame]) == (header, [] if payload is None else [payload])
+
+
+@FUZZ
+@given(st.sampled_from(sorted(Method.BUILT_IN)), st.integers(0, 2 ** 64 - 1),
+       st.integers(-1, 7), st.none() | st.binary(max_size=framing.EMBED_LIMIT),
+       st.sampled_from([{}, {Field.BEHIND: True}, {Field.ALL: True}, {Field.DIGEST: True},
+                        {Field.DESCRIPTORS: [["seg", 0, 8]]}]))
+def test_a_plain_call_decodes_as_the_general_path_does(method, seq, rank, payload, more):
+    """A call of a built-in method with nothing else to say is decoded straight from its
+    fixed part: the same header and body as the general decoding gives, for it and for
+    every call with something more (a flag, descriptors), which takes the general path."""
+    header = {Field.KIND: Kind.CALL, Field.METHOD: method, Field.SEQ: seq, Field.RANK: rank,
+              **more}
+    body = [] if payload is None else [payload]
+    frames = CHANNEL.pack(dict(header), body)
+    assert CHANNEL.unpack(frames) == CHANNEL.decoded(*CHANNEL.verify(frames)) == (header, body)
 
 
 @FUZZ

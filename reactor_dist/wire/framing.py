@@ -75,7 +75,8 @@ _METHOD_CODES = Hot.CODES[Field.METHOD]
 # The flags of a reply Channel.take hands over undecoded (anything more is decoded whole).
 _TAKEN_FLAGS = Hot.LOGGED | Hot.COMPUTE | Hot.WAIT | Hot.EMBEDDED
 _SECONDS = ((Field.COMPUTE, Hot.COMPUTE), (Field.COLLECTIVE_WAIT, Hot.WAIT))  # HOT_HEAD's floats
-_pack_hot = HOT_HEAD.pack
+_pack_hot, _unpack_hot = HOT_HEAD.pack, HOT_HEAD.unpack_from
+_METHOD_NAMES = Hot.VALUES[Field.METHOD]
 _CODE_AT = MAC_SIZE + 1  # where the kind's code is in a first frame
 # Every flag bit a hot kind may carry.
 _KNOWN_FLAGS = {kind: sum(booleans.values()) | Hot.COUNT | Hot.COMPUTE | Hot.WAIT
@@ -179,7 +180,13 @@ class Channel:
 
     def unpack(self, parts: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
         """Verify and decode one message: ``(header, body frames)``, else ProtocolError."""
-        return self.decoded(*self.verify(parts))
+        first, frames = self.verify(parts)
+        if not frames and type(first) is bytes and len(first) >= ACK_SIZE and \
+                first[_CODE_AT] == _CALL_CODE:
+            plain = _plain_call(first)
+            if plain is not None:
+                return plain
+        return self.decoded(first, frames)
 
     def verify(self, parts: Sequence[Any]) -> tuple[Any, list[Any]]:
         """The MAC checked: the first frame (bytes, or a view of a big one) and the body
@@ -282,6 +289,19 @@ def _plain_head(kind: str, header: dict[str, Any], embedded: bytes | None) -> by
     else:
         return None
     return head if embedded is None else head + embedded
+
+
+def _plain_call(first: bytes) -> tuple[dict[str, Any], list[Any]] | None:
+    """A verified one-frame CALL as :func:`_plain_head` packs it (a built-in method, no
+    flag but the embedded payload), decoded straight, as :meth:`Channel.decoded` would;
+    None for any other (decoded in full)."""
+    version, _, flags, value, rank, seq, _, _, _ = _unpack_hot(first, MAC_SIZE)
+    method = _METHOD_NAMES.get(value)
+    if version != WIRE_VERSION or method is None or flags & ~Hot.EMBEDDED or \
+            (not flags and len(first) != ACK_SIZE):
+        return None
+    header = {Field.KIND: Kind.CALL, Field.SEQ: seq, Field.RANK: rank, Field.METHOD: method}
+    return header, [first[ACK_SIZE:]] if flags else []
 
 
 def decode(head: Any) -> dict[str, Any]:
