@@ -260,6 +260,25 @@ def test_a_plain_call_decodes_as_the_general_path_does(method, seq, rank, payloa
 
 
 @FUZZ
+@given(st.integers(0, 2 ** 64 - 1), st.integers(-1, 7), st.integers(0, 2 ** 40),
+       st.none() | st.binary(max_size=framing.EMBED_LIMIT),
+       st.sampled_from([{}, {Field.DESCRIPTORS: [["seg", 0, 8]]}, {Field.RELEASED: ["a"]}]))
+def test_a_plain_item_decodes_as_the_general_path_does(seq, rank, index, payload, more):
+    """Rank 0's item with only its index (under 2**32) is packed and decoded straight:
+    the same frame and the same header and body as the general path gives; an item
+    with more, or a larger index, takes the general path."""
+    header = {Field.KIND: Kind.ITEM, Field.SEQ: seq, Field.RANK: rank, Field.INDEX: index,
+              **more}
+    body = [] if payload is None else [payload]
+    frames = CHANNEL.pack(dict(header), body)
+    assert CHANNEL.unpack(frames) == CHANNEL.decoded(*CHANNEL.verify(frames)) == (header, body)
+    if not more and index < 2 ** 32:
+        assert HOT_HEAD.unpack_from(frames[0], framing.MAC_SIZE) == (
+            WIRE_VERSION, KIND_CODES[Kind.ITEM], 0x08 | (0 if payload is None else 0x40), 0,
+            rank, seq, 0.0, 0.0, index)
+
+
+@FUZZ
 @given(st.sampled_from(KINDS), st.integers(0, 2 ** 63 - 1), st.integers(-1, 7),
        st.binary(min_size=1, max_size=200), st.integers(0, 10 ** 6), st.integers(0, 255))
 def test_any_alteration_of_an_authentic_message_is_rejected(kind, seq, rank, payload, at, bit):

@@ -70,7 +70,8 @@ MAX_FRAME = int(os.environ.get(MAX_FRAME_ENV) or MAX_FRAME_DEFAULT)
 MAX_MESSAGE = int(os.environ.get(MAX_MESSAGE_ENV) or MAX_MESSAGE_DEFAULT)
 COPY_LIMIT = 64 << 10  # received frames up to this size are copied into bytes (cheaper)
 _FIXED = (Field.KIND, Field.SEQ, Field.RANK)
-_REPLY_CODE, _CALL_CODE = KIND_CODES[Kind.REPLY], KIND_CODES[Kind.CALL]
+_REPLY_CODE, _CALL_CODE, _ITEM_CODE = (KIND_CODES[Kind.REPLY], KIND_CODES[Kind.CALL],
+                                       KIND_CODES[Kind.ITEM])
 _METHOD_CODES = Hot.CODES[Field.METHOD]
 # The flags of a reply Channel.take hands over undecoded (anything more is decoded whole).
 _TAKEN_FLAGS = Hot.LOGGED | Hot.COMPUTE | Hot.WAIT | Hot.EMBEDDED
@@ -182,8 +183,8 @@ class Channel:
         """Verify and decode one message: ``(header, body frames)``, else ProtocolError."""
         first, frames = self.verify(parts)
         if not frames and type(first) is bytes and len(first) >= ACK_SIZE and \
-                first[_CODE_AT] == _CALL_CODE:
-            plain = _plain_call(first)
+                (first[_CODE_AT] == _CALL_CODE or first[_CODE_AT] == _ITEM_CODE):
+            plain = _plain_message(first)
             if plain is not None:
                 return plain
         return self.decoded(first, frames)
@@ -261,11 +262,12 @@ class Channel:
 
 
 def _plain_head(kind: str, header: dict[str, Any], embedded: bytes | None) -> bytes | None:
-    """The header bytes of the two commonest messages, packed straight (what
+    """The header bytes of the commonest messages, packed straight (what
     :meth:`Channel.head`'s general path makes of them): a CALL of a built-in method with
-    nothing else to say (KIND, METHOD, SEQ, RANK), and a REPLY of status OK that holds
-    only its times (KIND, SEQ, RANK, STATUS, COMPUTE, maybe COLLECTIVE_WAIT; every rank's
-    acknowledgement).  None for any other header."""
+    nothing else to say (KIND, METHOD, SEQ, RANK), a REPLY of status OK that holds only
+    its times (KIND, SEQ, RANK, STATUS, COMPUTE, maybe COLLECTIVE_WAIT; every rank's
+    acknowledgement), and an ITEM with only its index (KIND, SEQ, RANK, INDEX).  None for
+    any other header."""
     flags = 0 if embedded is None else Hot.EMBEDDED
     if kind == Kind.CALL:
         if len(header) != 4 or Field.METHOD not in header:
@@ -286,22 +288,35 @@ def _plain_head(kind: str, header: dict[str, Any], embedded: bytes | None) -> by
             flags |= Hot.WAIT
         head = _pack_hot(WIRE_VERSION, _REPLY_CODE, flags | Hot.COMPUTE, Hot.OK,
                          header[Field.RANK], header[Field.SEQ], compute, wait, 0)
+    elif kind == Kind.ITEM:
+        index = header.get(Field.INDEX)
+        if len(header) != 4 or type(index) is not int or not 0 <= index < 1 << 32:
+            return None
+        head = _pack_hot(WIRE_VERSION, _ITEM_CODE, flags | Hot.COUNT, 0, header[Field.RANK],
+                         header[Field.SEQ], 0.0, 0.0, index)
     else:
         return None
     return head if embedded is None else head + embedded
 
 
-def _plain_call(first: bytes) -> tuple[dict[str, Any], list[Any]] | None:
-    """A verified one-frame CALL as :func:`_plain_head` packs it (a built-in method, no
-    flag but the embedded payload), decoded straight, as :meth:`Channel.decoded` would;
-    None for any other (decoded in full)."""
-    version, _, flags, value, rank, seq, _, _, _ = _unpack_hot(first, MAC_SIZE)
-    method = _METHOD_NAMES.get(value)
-    if version != WIRE_VERSION or method is None or flags & ~Hot.EMBEDDED or \
-            (not flags and len(first) != ACK_SIZE):
+def _plain_message(first: bytes) -> tuple[dict[str, Any], list[Any]] | None:
+    """A verified one-frame CALL or ITEM as :func:`_plain_head` packs it, decoded
+    straight, as :meth:`Channel.decoded` would; None for any other (decoded in full)."""
+    version, code, flags, value, rank, seq, _, _, count = _unpack_hot(first, MAC_SIZE)
+    if version != WIRE_VERSION:
         return None
-    header = {Field.KIND: Kind.CALL, Field.SEQ: seq, Field.RANK: rank, Field.METHOD: method}
-    return header, [first[ACK_SIZE:]] if flags else []
+    if code == _CALL_CODE:
+        method = _METHOD_NAMES.get(value)
+        if method is None or flags & ~Hot.EMBEDDED:
+            return None
+        header = {Field.KIND: Kind.CALL, Field.SEQ: seq, Field.RANK: rank, Field.METHOD: method}
+    else:  # an item (Channel.unpack asks for no other kind)
+        if value or (flags & ~Hot.EMBEDDED) != Hot.COUNT:
+            return None
+        header = {Field.KIND: Kind.ITEM, Field.SEQ: seq, Field.RANK: rank, Field.INDEX: count}
+    if flags & Hot.EMBEDDED:
+        return header, [first[ACK_SIZE:]]
+    return (header, []) if len(first) == ACK_SIZE else None
 
 
 def decode(head: Any) -> dict[str, Any]:
