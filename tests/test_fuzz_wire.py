@@ -33,6 +33,7 @@ from reactor_dist.wire.protocol import (
     PREFIX,
     WIRE_VERSION,
     Field,
+    Hot,
     Kind,
     Method,
     Status,
@@ -247,6 +248,7 @@ def test_a_plain_reply_is_one_fixed_frame(seq, rank, compute, wait, payload):
 @given(st.sampled_from(sorted(Method.BUILT_IN)), st.integers(0, 2 ** 64 - 1),
        st.integers(-1, 7), st.none() | st.binary(max_size=framing.EMBED_LIMIT),
        st.sampled_from([{}, {Field.BEHIND: True}, {Field.ALL: True}, {Field.DIGEST: True},
+                        {Field.BEHIND: True, Field.ALL: True},
                         {Field.DESCRIPTORS: [["seg", 0, 8]]}]))
 def test_a_plain_call_decodes_as_the_general_path_does(method, seq, rank, payload, more):
     """A call of a built-in method with nothing else to say is decoded straight from its
@@ -257,6 +259,10 @@ def test_a_plain_call_decodes_as_the_general_path_does(method, seq, rank, payloa
     body = [] if payload is None else [payload]
     frames = CHANNEL.pack(dict(header), body)
     assert CHANNEL.unpack(frames) == CHANNEL.decoded(*CHANNEL.verify(frames)) == (header, body)
+    if not more or more == {Field.BEHIND: True}:  # packed straight: one fixed frame
+        assert HOT_HEAD.unpack_from(frames[0], framing.MAC_SIZE) == (
+            WIRE_VERSION, KIND_CODES[Kind.CALL], (0 if payload is None else 0x40) |
+            (0x01 if more else 0), Hot.CODES[Field.METHOD][method], rank, seq, 0.0, 0.0, 0)
 
 
 @FUZZ

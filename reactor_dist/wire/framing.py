@@ -78,6 +78,7 @@ _TAKEN_FLAGS = Hot.LOGGED | Hot.COMPUTE | Hot.WAIT | Hot.EMBEDDED
 _SECONDS = ((Field.COMPUTE, Hot.COMPUTE), (Field.COLLECTIVE_WAIT, Hot.WAIT))  # HOT_HEAD's floats
 _pack_hot, _unpack_hot = HOT_HEAD.pack, HOT_HEAD.unpack_from
 _METHOD_NAMES = Hot.VALUES[Field.METHOD]
+_BEHIND = Hot.BOOLEANS[Kind.CALL][Field.BEHIND]
 _CODE_AT = MAC_SIZE + 1  # where the kind's code is in a first frame
 # Every flag bit a hot kind may carry.
 _KNOWN_FLAGS = {kind: sum(booleans.values()) | Hot.COUNT | Hot.COMPUTE | Hot.WAIT
@@ -264,15 +265,17 @@ class Channel:
 def _plain_head(kind: str, header: dict[str, Any], embedded: bytes | None) -> bytes | None:
     """The header bytes of the commonest messages, packed straight (what
     :meth:`Channel.head`'s general path makes of them): a CALL of a built-in method with
-    nothing else to say (KIND, METHOD, SEQ, RANK), a REPLY of status OK that holds only
-    its times (KIND, SEQ, RANK, STATUS, COMPUTE, maybe COLLECTIVE_WAIT; every rank's
-    acknowledgement), and an ITEM with only its index (KIND, SEQ, RANK, INDEX).  None for
-    any other header."""
+    nothing else to say (KIND, METHOD, SEQ, RANK, maybe BEHIND), a REPLY of status OK
+    that holds only its times (KIND, SEQ, RANK, STATUS, COMPUTE, maybe COLLECTIVE_WAIT;
+    every rank's acknowledgement), and an ITEM with only its index (KIND, SEQ, RANK,
+    INDEX).  None for any other header."""
     flags = 0 if embedded is None else Hot.EMBEDDED
     if kind == Kind.CALL:
-        if len(header) != 4 or Field.METHOD not in header:
+        if len(header) == 5 and header.get(Field.BEHIND) is True:  # behind calls in flight
+            flags |= _BEHIND
+        elif len(header) != 4:
             return None
-        value = _METHOD_CODES.get(header[Field.METHOD], 0)
+        value = _METHOD_CODES.get(header.get(Field.METHOD), 0)
         if not value:
             return None
         head = _pack_hot(WIRE_VERSION, _CALL_CODE, flags, value, header[Field.RANK],
@@ -307,9 +310,11 @@ def _plain_message(first: bytes) -> tuple[dict[str, Any], list[Any]] | None:
         return None
     if code == _CALL_CODE:
         method = _METHOD_NAMES.get(value)
-        if method is None or flags & ~Hot.EMBEDDED:
+        if method is None or flags & ~(Hot.EMBEDDED | _BEHIND):
             return None
         header = {Field.KIND: Kind.CALL, Field.SEQ: seq, Field.RANK: rank, Field.METHOD: method}
+        if flags & _BEHIND:
+            header[Field.BEHIND] = True
     else:  # an item (Channel.unpack asks for no other kind)
         if value or (flags & ~Hot.EMBEDDED) != Hot.COUNT:
             return None
