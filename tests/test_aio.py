@@ -4,6 +4,8 @@ they called, a cancelled call leaves the runner healthy, and the sync contract h
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 
@@ -211,3 +213,26 @@ def test_a_loop_watches_nothing_of_a_runner_shut_down(runner_for, ending):
         return loop.remove_reader(descriptor)  # True: a reader was still there
 
     assert asyncio.run(main()) is False
+
+
+def test_a_loop_no_task_waits_in_does_not_spin_on_a_message_nobody_reads(runner_for):
+    """A rank's death while nobody calls leaves its notice unread on the reply socket,
+    whose descriptor then stays readable.  The loop of a task that awaited a call before
+    drops its reader when it first fires with no task waiting, rather than spin on it;
+    the next call still reports the death."""
+    runner = runner_for(Echo)
+    runner.start()
+
+    async def main() -> float:
+        assert await runner.agenerate(1) == 1  # the loop keeps its reader after the call
+        os.kill(Probe(runner).rank_pids[1], signal.SIGKILL)
+        began = time.thread_time()  # this thread's CPU: a loop that spins burns it
+        await asyncio.sleep(1.0)
+        return time.thread_time() - began
+
+    spent = asyncio.run(main())
+    # A spinning loop spends most of the second on CPU (load only takes CPU from it);
+    # an idle one, milliseconds.
+    assert spent < 0.3, f"the loop spent {spent:.2f} s of CPU while no task waited"
+    with pytest.raises(WorkerCrashed):
+        runner.generate(2)

@@ -669,32 +669,34 @@ class CallQueue:
         self.readers[loop] = self.readers.get(loop, 0) + 1
 
     def remove_waker(self, waker: Waker) -> None:
-        """Under the lock: a task stopped waiting.  The loop's reader goes at the loop's
-        next turn if no task of it waits by then: a task that awaits call after call
-        waits again before that, and keeps the reader (no register and unregister
-        per call)."""
+        """Under the lock: a task stopped waiting.  Its loop keeps the reader: a task that
+        awaits call after call waits again before the socket stirs, and registers
+        nothing anew (the reader goes when it fires with no task waiting: readable)."""
         self.wakers.remove(waker)
-        loop = waker.loop
-        self.readers[loop] -= 1
-        if not self.readers[loop]:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: its reader is gone
-                loop.call_soon(self.drop_reader, loop)
+        self.readers[waker.loop] -= 1
 
-    def drop_reader(self, loop: asyncio.AbstractEventLoop) -> None:
-        """In ``loop``: its reader on the reply socket goes, unless a task waits again
-        (or shutdown took it already: :meth:`drop_readers`)."""
+    def readable(self, loop: asyncio.AbstractEventLoop) -> None:
+        """In ``loop``: the reply socket may have a message; its tasks look.  With none
+        waiting, its reader goes: the descriptor stays readable until somebody reads
+        the socket, and the loop would spin on it."""
+        if self.readers.get(loop):
+            for waker in list(self.wakers):
+                if waker.loop is loop:
+                    waker.set()
+            return
         with self.lock:
-            if self.readers.get(loop, 1):
+            if self.readers.get(loop, 1):  # a task waits again, or it went already
                 return
             del self.readers[loop]
-            if self.path is not None and not loop.is_closed():
+            if self.path is not None:
                 with contextlib.suppress(Exception):  # the bus may be closed by now
                     loop.remove_reader(self.path.bus.pull_fd)
 
     def drop_readers(self) -> None:
-        """Shutdown, before the bus closes: the readers no task uses any more go now, in
-        their loops' threads.  A reader left on a closed descriptor would meet the next
-        file its loop watches under the same number."""
+        """Shutdown, before the bus closes: the readers no task uses any more go now
+        (a loop's own thread removes it where the loop runs).  A reader left on a
+        closed descriptor would meet the next file its loop watches under that
+        number."""
         with self.lock:
             idle = [loop for loop, count in self.readers.items() if not count]
             for loop in idle:
@@ -703,20 +705,18 @@ class CallQueue:
         for loop in idle:
             if fd is None or loop.is_closed():
                 continue
-            with contextlib.suppress(RuntimeError):
-                if asyncio.get_running_loop() is loop:  # shutdown() from a task of it
+            try:
+                here = asyncio.get_running_loop() is loop  # shutdown() from a task of it
+            except RuntimeError:
+                here = False
+            if here or not loop.is_running():
+                with contextlib.suppress(Exception):
                     loop.remove_reader(fd)
-                    continue
+                continue
             removed = threading.Event()
             with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing to remove
                 loop.call_soon_threadsafe(_remove_reader, loop, fd, removed)
-                removed.wait(WAKE)  # a loop that does not run now removes it when it does
-
-    def readable(self, loop: asyncio.AbstractEventLoop) -> None:
-        """In ``loop``: the reply socket may have a message; its tasks look."""
-        for waker in list(self.wakers):
-            if waker.loop is loop:
-                waker.set()
+                removed.wait(WAKE)
 
 
 def _remove_reader(loop: asyncio.AbstractEventLoop, fd: int, removed: threading.Event) -> None:
