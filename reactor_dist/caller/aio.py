@@ -73,6 +73,7 @@ async def send(queue: CallQueue, method: str, value: Any, timeout: float | None,
                     raise engine.not_sent(method, queue_timeout)
             with queue.lock:
                 if engine.may_send(turn):  # still (a restart may have begun meanwhile)
+                    engine.check_usable()  # broken as our turn came: why it cannot go
                     return queue.send_now(turn, method, value, timeout, None, stream)
     finally:
         with queue.lock:

@@ -219,8 +219,9 @@ class Bus:
         patient = COMMANDS[header[Field.KIND]].delivery is Delivery.DEADLINE
         if deadline is not None and not patient:
             raise ValueError(f"a {header[Field.KIND]} command is tried once: no deadline")
+        header[Field.RANK] = -1
         with self.pub_lock:  # the packer's buffer too is one per channel
-            frames = self._pack(header, body)
+            frames = self.channel.pack(header, body)
             if self._send(frames):  # the common command: one lock cycle
                 return True
             self._drop_subscriptions()
@@ -240,10 +241,6 @@ class Bus:
                     return True
                 self._drop_subscriptions()
 
-    def _pack(self, header: dict[str, Any], body: list | tuple) -> list[Any]:
-        header[Field.RANK] = -1
-        return self.channel.pack(header, body)
-
     def _send(self, frames: list[Any]) -> bool:
         """One try: False when the first frame met a full pipe (then nothing was sent)."""
         if self._pub_open:
@@ -259,9 +256,9 @@ class Bus:
         except zmq.Again:
             self._pub_open = False
             return False
-        for frame in frames[1:-1]:
-            self._pub_send(frame, _MORE)
         if len(frames) > 1:
+            for frame in frames[1:-1]:
+                self._pub_send(frame, _MORE)
             self._pub_send(frames[-1])
         self._pub_open = False
         return True

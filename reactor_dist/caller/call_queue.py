@@ -294,6 +294,8 @@ class CallQueue:
         restart in progress, at most ``queue_timeout`` (CallQueueFull), publish; a
         ``stream`` call's items are handed over as they come."""
         try:
+            if self.engine.free_to_send():  # at once: no turn to wait for
+                return self.send_now(None, method, value, timeout, future, stream)
             return self.send_once(method, value, timeout, queue_timeout, future, stream)
         except (WorkerCrashed, WorkerTimeout):
             # The fault was found as this call went (a death while idle): with
@@ -313,6 +315,7 @@ class CallQueue:
             give_up = None if queue_timeout is None else time.monotonic() + queue_timeout
             if not self.pump(lambda: engine.may_send(turn), give_up):
                 raise engine.not_sent(method, queue_timeout)
+            engine.check_usable()  # our turn came as the runner broke: why it cannot go
             return self.send_now(turn, method, value, timeout, future, stream)
         finally:
             engine.leave_turn(turn)
@@ -320,9 +323,9 @@ class CallQueue:
 
     def send_now(self, turn: object | None, method: str, value: Any, timeout: float | None,
                  future: Future | None, stream: bool = False) -> Call:
-        """Send now (our turn, room in flight); the call is in flight when this returns."""
+        """Send now (our turn, room in flight, healthy); the call is in flight when this
+        returns."""
         engine = self.engine
-        engine.check_usable()
         path = self.path
         assert path is not None
         self.sending = True
