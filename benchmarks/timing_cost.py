@@ -36,9 +36,8 @@ import tempfile
 import time
 
 from reactor_dist import DistributedRunner, DistributedWorker
-from reactor_dist.caller.calls import Call, collective_wait_seconds, compute_seconds
+from reactor_dist.caller.calls import Call, rank_seconds
 from reactor_dist.caller.timings import Recorder
-from reactor_dist.wire.protocol import Field
 
 
 class Echo(DistributedWorker):
@@ -49,14 +48,14 @@ class Echo(DistributedWorker):
 def bookkeeping_ns(world_size: int, iterations: int = 200_000) -> float:
     """Nanoseconds of the caller's timing bookkeeping per call, in process."""
     pending = Call(1, "generate", None, 1.0, 1.001)
-    pending.replies = {r: ({Field.COMPUTE: 0.01 + r * 1e-4}, []) for r in range(world_size)}
+    pending.compute = {r: 0.01 + r * 1e-4 for r in range(world_size)}  # as replies leave it
     recorder = Recorder(world_size)
     clock = time.perf_counter
     began = clock()
     for _ in range(iterations):
         answered = clock()
         recorder.record(pending.started, pending.sent, answered, clock(),
-                        compute_seconds(pending, world_size))
+                        rank_seconds(pending, world_size)[0])
     return (clock() - began) / iterations * 1e9
 
 
@@ -89,16 +88,15 @@ class AllReduceOnce(DistributedWorker):
 def waits_bookkeeping_ns(world_size: int, iterations: int = 200_000) -> float:
     """Nanoseconds per call of the caller's bookkeeping with the collective waits."""
     pending = Call(1, "generate", None, 1.0, 1.001)
-    pending.replies = {r: ({Field.COMPUTE: 0.01, Field.COLLECTIVE_WAIT: r * 1e-4}, [])
-                       for r in range(world_size)}
+    pending.compute = {r: 0.01 for r in range(world_size)}  # as replies leave them
+    pending.waits = {r: r * 1e-4 for r in range(world_size)}
     recorder = Recorder(world_size)
     clock = time.perf_counter
     began = clock()
     for _ in range(iterations):
         answered = clock()
         recorder.record(pending.started, pending.sent, answered, clock(),
-                        compute_seconds(pending, world_size),
-                        collective_wait_seconds(pending, world_size))
+                        *rank_seconds(pending, world_size))
     return (clock() - began) / iterations * 1e9
 
 

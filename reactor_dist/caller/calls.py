@@ -178,19 +178,15 @@ def any_raised(call: Call) -> bool:
                for header, _ in call.replies.values())
 
 
-def compute_seconds(call: Call, world_size: int) -> tuple[float, ...]:
-    """Each rank's seconds inside its worker method (Field.COMPUTE of its REPLY)."""
-    compute = call.compute
-    return tuple([compute.get(rank, 0.0) for rank in range(world_size)])
-
-
-def collective_wait_seconds(call: Call, world_size: int) -> tuple[float, ...] | None:
-    """Each rank's seconds of its compute spent waiting in torch.distributed collectives
-    (Field.COLLECTIVE_WAIT); None when the ranks measured none (no group formed)."""
-    waits = call.waits
-    if 0 not in waits:
-        return None
-    return tuple([waits.get(rank, 0.0) for rank in range(world_size)])
+def rank_seconds(call: Call, world_size: int) -> tuple[tuple[float, ...],
+                                                     tuple[float, ...] | None]:
+    """Each rank's seconds inside its worker method (Field.COMPUTE of its REPLY), and of
+    those its seconds waiting in torch.distributed collectives (Field.COLLECTIVE_WAIT;
+    None when the ranks measured none: no group formed)."""
+    compute, waits = call.compute, call.waits
+    ranks = range(world_size)
+    return (tuple([compute.get(rank, 0.0) for rank in ranks]),
+            tuple([waits.get(rank, 0.0) for rank in ranks]) if 0 in waits else None)
 
 
 # What an acknowledgement stands for among a call's replies (Call.replies): a REPLY of

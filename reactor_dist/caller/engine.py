@@ -64,8 +64,7 @@ from .calls import (
     ACKNOWLEDGED,
     Call,
     any_raised,
-    collective_wait_seconds,
-    compute_seconds,
+    rank_seconds,
 )
 from .fault_log import one_line
 from .observers import (
@@ -552,8 +551,7 @@ class Engine:
             verdict = judge(call.method, codec.outcomes(call), lambda: codec.collectives(call))
         if (self.timings.enabled or self.observers) and not call.left:
             times = (call.started, call.sent, answered, perf_counter())
-            compute = compute_seconds(call, self.world_size)
-            waits = collective_wait_seconds(call, self.world_size)
+            compute, waits = rank_seconds(call, self.world_size)
             if self.timings.enabled:
                 self.timings.record(*times, compute, waits)
             if call.record is not None:

@@ -491,6 +491,8 @@ class DistributedRunner:
     def _bounds(self, timeout: float | None | EllipsisType,
                 queue_timeout: float | None | EllipsisType) -> tuple[float | None, float | None]:
         """A call's run bound and its bound for the wait for its turn (default: the same)."""
+        if timeout is ... and queue_timeout is ...:  # the common call: both defaults
+            return self.call_timeout, self.call_timeout
         run = self._timeout(timeout)
         return run, run if queue_timeout is ... else _check_timeout(
             "queue_timeout", queue_timeout, zero=True)

@@ -126,7 +126,8 @@ class Channel:
         embedded = None
         if body and type(body[0]) is bytes and len(body[0]) <= EMBED_LIMIT:
             embedded, body = body[0], body[1:]
-        head = self.head(header, embedded)
+        head = _plain_head(header[Field.KIND], header, embedded) or \
+            self.general_head(header, embedded)
         if not body:
             digest = self._one_frame.copy()
             digest.update(head)
@@ -135,10 +136,12 @@ class Channel:
 
     def head(self, header: dict[str, Any], embedded: bytes | None = None) -> bytes:
         """A header's bytes (without the MAC), as protocol.HOT_HEAD and Hot lay them out."""
+        return _plain_head(header[Field.KIND], header, embedded) or \
+            self.general_head(header, embedded)
+
+    def general_head(self, header: dict[str, Any], embedded: bytes | None = None) -> bytes:
+        """:meth:`head` of any header, field by field (the plain ones are packed straight)."""
         kind = header[Field.KIND]
-        plain = _plain_head(kind, header, embedded)
-        if plain is not None:
-            return plain
         code = KIND_CODES.get(kind)
         if code is None:
             raise ValueError(f"reactor_dist bug: no message kind {kind!r}")
