@@ -667,7 +667,7 @@ class CallQueue:
         if loop not in self.readers:  # a count of 0: its reader is still there
             assert self.path is not None
             for closed in [other for other in self.readers if other.is_closed()]:
-                del self.readers[closed]  # closed before its reader's turn came
+                del self.readers[closed]  # closed while it kept its reader
             loop.add_reader(self.path.bus.pull_fd, self.readable, loop)
         self.readers[loop] = self.readers.get(loop, 0) + 1
 

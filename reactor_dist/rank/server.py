@@ -466,7 +466,7 @@ class RankServer:
         if error is None and delivers and Field.ITEMS not in reply:
             try:
                 descriptors, payload, _ = transfer.encode(
-                    result, self.results, f"the result of {method}() on rank {self.rank}",
+                    result, self.results, lambda: f"the result of {method}() on rank {self.rank}",
                     holders=(CALLER,), reuse_segments=True, inline_limit=self.inline_limit,
                     verb="return", digest=self.digest, staging=self.memory.staging)
                 if descriptors:
@@ -547,7 +547,8 @@ class RankServer:
         """Rank 0 sends one item; the delivery failure, if it cannot."""
         try:
             descriptors, payload, _ = transfer.encode(
-                item, self.results, f"item {index} of generate() on rank 0", holders=(CALLER,),
+                item, self.results, lambda: f"item {index} of generate() on rank 0",
+                holders=(CALLER,),
                 reuse_segments=True, inline_limit=self.inline_limit, verb="yield",
                 digest=self.digest, staging=self.memory.staging)
         except Exception as exc:  # as for a result: no room, over the bound, no pickle

@@ -214,7 +214,7 @@ def _unpicklable(what: str, obj: Any, exc: BaseException, verb: str) -> TypeErro
         f"at the top level of a module")
 
 
-def encode(obj: Any, ledger: Ledger, what: str, holders: Iterable[Hashable],
+def encode(obj: Any, ledger: Ledger, what: str | Callable[[], str], holders: Iterable[Hashable],
            reuse_segments: bool = False, inline_limit: int = INLINE_LIMIT,
            verb: str | None = None, digest: Digest | None = None,
            staging: Any = None,
@@ -226,7 +226,8 @@ def encode(obj: Any, ledger: Ledger, what: str, holders: Iterable[Hashable],
     results), a pickling failure is one TypeError that says what to send instead.
     ``holders`` hold every segment the payload lies in; ``digest`` takes in the payload;
     ``staging`` (rank 0) puts its large device tensors straight into ``ledger``'s
-    segments (they must be found there: ``reuse_segments``).
+    segments (they must be found there: ``reuse_segments``).  ``what`` names the payload
+    in errors; a function that makes the name is called only past the scalars' path.
     """
     if type(obj) in _SCALARS:  # the per-call fast path: one pickle stream, nothing else
         stream = pickle.dumps(obj, protocol=5)
@@ -234,6 +235,8 @@ def encode(obj: Any, ledger: Ledger, what: str, holders: Iterable[Hashable],
             if digest is not None:
                 digest.update(stream)
             return [], [stream], []
+    if not isinstance(what, str):
+        what = what()
     try:
         stream, buffers = dumps(obj, _room_check(ledger, what, inline_limit), staging)
     except Exception as exc:
