@@ -126,8 +126,7 @@ class Channel:
         embedded = None
         if body and type(body[0]) is bytes and len(body[0]) <= EMBED_LIMIT:
             embedded, body = body[0], body[1:]
-        head = _plain_head(header[Field.KIND], header, embedded) or \
-            self.general_head(header, embedded)
+        head = self.head(header, embedded)
         if not body:
             digest = self._one_frame.copy()
             digest.update(head)
