@@ -33,6 +33,7 @@ def test_quick_bench_runs_and_writes_results(tmp_path: Path) -> None:
     assert list(tmp_path.glob("*.png")), list(tmp_path.iterdir())
     text = mds[0].read_text()
     assert "generate(1), world_size 2" in text
+    assert "the protocol alone, world_size 2" in text  # the protocol's floor beside it
     # The streaming and asyncio rows, each with its target judged (yes or NO).
     for case in ("stream(): time to first item, keep_free_segments=8",
                  "stream(): whole step, keep_free_segments=8",

@@ -3,7 +3,10 @@ CPU and the ranks' CPU per call; small calls in flight; one stream item.
 
 Ours is ``pools.EchoRunner`` (``generate(1)`` on a worker that returns its input); the
 bus is bare pyzmq peers, PUB -> SUB and PUSH -> PULL, one per rank
-(``raw_floor.RawFloor``).  For each world size a fresh runner and fresh peers are timed
+(``raw_floor.RawFloor``); between them the protocol's own floor, our wire in
+straight-line Python with no bookkeeping (``protocol_floor.ProtocolFloor``: the MAC, the
+fixed header, pickle), which says how much of the gap is the protocol's and how much the
+runner's.  For each world size a fresh runner and fresh peers of both kinds are timed
 in alternating blocks (``calls_per_block`` calls each, the order flipping every round);
 each block reads, besides the wall time of every call, the CPU time of the caller's
 process (every thread: its own, ZeroMQ's I/O thread, the runner's) and of every rank's
@@ -26,6 +29,7 @@ import psutil
 from benchmarks.config import Settings
 from benchmarks.families.overhead import baselines_per_call
 from benchmarks.implementations.pools import IMPLEMENTATIONS, OURS, EchoRunner
+from benchmarks.implementations.protocol_floor import ProtocolFloor
 from benchmarks.implementations.raw_floor import RawFloor
 from benchmarks.report.results import FLOOR, Results, Row
 from benchmarks.report.stats import Stats, summarize
@@ -36,6 +40,7 @@ IN_FLIGHT, ITEM = "ws in flight", "ws stream item"
 AHEAD = 8  # max_in_flight of the in-flight rows, and the bus's messages ahead
 ITEMS = 32  # items of the stream row's step
 INPUT = 1
+PROTOCOL = "protocol"  # the protocol floor's results key
 TARGET_CALL, TARGET_CALLER, TARGET_RANK = 1.3, 1.5, 1.3  # issue 52's goals, x the bus
 TARGET_IN_FLIGHT, TARGET_ITEM = 0.8, 1.3
 
@@ -94,9 +99,14 @@ def one_world_size(ws: int, s: Settings, results: Results) -> None:
         our_ranks = started_since(before, ws)
         before = children()
         bus = RawFloor(ws)
+        bus_peers = started_since(before, ws)
+        before = children()
+        protocol = ProtocolFloor(ws)
         try:
             sides = {OURS: Side(lambda: ours.generate(INPUT), our_ranks),
-                     FLOOR: Side(bus.generate, started_since(before, ws))}
+                     FLOOR: Side(bus.generate, bus_peers),
+                     PROTOCOL: Side(lambda: protocol.generate(INPUT),
+                                    started_since(before, ws))}
             for side in sides.values():
                 for _ in range(s.call_warmup):
                     side.call()
@@ -108,6 +118,7 @@ def one_world_size(ws: int, s: Settings, results: Results) -> None:
                 results.put(CALLER, cfg, key, summarize([side.caller / side.calls]))
                 results.put(RANKS, cfg, key, summarize([side.rank_cpu / side.calls]))
         finally:
+            protocol.close()
             bus.close()
     finally:
         ours.close()
@@ -127,6 +138,7 @@ def in_flight_and_items(ws: int, s: Settings, results: Results) -> None:
     streams = DistributedRunner(ItemsWorker, world_size=ws, init_process_group=False,
                                 device="cpu", call_timeout=120.0)
     bus = RawFloor(ws)
+    protocol = ProtocolFloor(ws)
     try:
         ahead.start()
         streams.start()
@@ -146,6 +158,8 @@ def in_flight_and_items(ws: int, s: Settings, results: Results) -> None:
             f"{FLOOR} {IN_FLIGHT}": (lambda: bus.pipelined(calls, AHEAD), calls),
             f"{OURS} {ITEM}": (streamed, ITEMS),
             f"{FLOOR} {ITEM}": (lambda: bus.stream(ITEMS), ITEMS),
+            f"{PROTOCOL} {IN_FLIGHT}": (lambda: protocol.pipelined(calls, AHEAD), calls),
+            f"{PROTOCOL} {ITEM}": (lambda: protocol.stream(ITEMS), ITEMS),
         }
         samples: dict[str, list[float]] = {k: [] for k in blocks}
         for block, _ in blocks.values():
@@ -160,6 +174,7 @@ def in_flight_and_items(ws: int, s: Settings, results: Results) -> None:
             impl, metric = key.split(" ", 1)
             results.put(metric, cfg, impl, summarize(values))
     finally:
+        protocol.close()
         bus.close()
         streams.shutdown()
         ahead.shutdown()
@@ -186,6 +201,14 @@ def _ratio_row(section: str, case: str, ours: Stats | None, bus: Stats | None, t
     return row
 
 
+def _floor_row(section: str, case: str, protocol: Stats | None, bus: Stats | None,
+               label: str = "the bare bus, measured in the same run") -> Row:
+    """What our wire costs in straight Python with no bookkeeping, against the bus: the
+    share of the gap that is the protocol's (no target: a floor, not a goal)."""
+    return Row(section=section, case=case, unit="us", ours=protocol, floor=bus,
+               floor_label=label, target="(info: the protocol's floor)")
+
+
 def rows(results: Results, settings: Settings) -> list[Row]:
     section = "World sizes against the bare bus"
     out = []
@@ -204,6 +227,8 @@ def rows(results: Results, settings: Settings) -> list[Row]:
                            TARGET_RANK)
         ranks.target, ranks.met = "(info)", None
         out.append(ranks)
+        out.append(_floor_row(section, f"the protocol alone, world_size {ws}",
+                              results.get(CALL, cfg, PROTOCOL), results.get(CALL, cfg, FLOOR)))
         if not first:
             first = {k: results.get(CALLER, cfg, k) for k in (OURS, FLOOR)}
     last = f"ws{settings.table_world_sizes[-1]}"
@@ -225,5 +250,12 @@ def rows(results: Results, settings: Settings) -> list[Row]:
     out.append(_ratio_row(section, "one stream item, world_size 2",
                           results.get(ITEM, "ws2", OURS), results.get(ITEM, "ws2", FLOOR),
                           TARGET_ITEM, label="one message of rank 0's"))
+    out.append(_floor_row(section, f"the protocol alone, max_in_flight={AHEAD}, world_size 2, "
+                          "per call", results.get(IN_FLIGHT, "ws2", PROTOCOL),
+                          results.get(IN_FLIGHT, "ws2", FLOOR),
+                          label=f"the bus with {AHEAD} messages ahead"))
+    out.append(_floor_row(section, "the protocol alone, one stream item, world_size 2",
+                          results.get(ITEM, "ws2", PROTOCOL), results.get(ITEM, "ws2", FLOOR),
+                          label="one message of rank 0's"))
     return out
 
