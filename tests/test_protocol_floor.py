@@ -45,3 +45,18 @@ def test_its_replies_are_the_acknowledgements_and_result_channel_takes() -> None
         floor.close()
     assert not any(p.is_running() for p in peers)
     assert {p.pid for p in psutil.Process().children(recursive=True)} == before
+
+
+def test_without_the_mac_it_sends_the_same_frames_with_the_mac_zeroed() -> None:
+    floor = ProtocolFloor(1, mac=False)
+    try:
+        assert floor.generate(3) == 3
+        seq = floor.publish(4)
+        frame = floor.pull.recv()
+        del floor.owed[seq]
+        assert frame[:32] == bytes(32)
+        signed = Signer(bytes(32)).sign(frame[32:])
+        assert framing.Channel(bytes(32)).take([signed])[:6] == (
+            WIRE_VERSION, KIND_CODES[Kind.REPLY], Hot.COMPUTE | Hot.EMBEDDED, Hot.OK, 0, seq)
+    finally:
+        floor.close()

@@ -6,7 +6,8 @@ bus is bare pyzmq peers, PUB -> SUB and PUSH -> PULL, one per rank
 (``raw_floor.RawFloor``); between them the protocol's own floor, our wire in
 straight-line Python with no bookkeeping (``protocol_floor.ProtocolFloor``: the MAC, the
 fixed header, pickle), which says how much of the gap is the protocol's and how much the
-runner's.  For each world size a fresh runner and fresh peers of both kinds are timed
+runner's; and the same without the MAC (its bytes zeroed, unchecked), which says what
+the MAC costs.  For each world size a fresh runner and fresh peers of both kinds are timed
 in alternating blocks (``calls_per_block`` calls each, the order flipping every round);
 each block reads, besides the wall time of every call, the CPU time of the caller's
 process (every thread: its own, ZeroMQ's I/O thread, the runner's) and of every rank's
@@ -40,7 +41,7 @@ IN_FLIGHT, ITEM = "ws in flight", "ws stream item"
 AHEAD = 8  # max_in_flight of the in-flight rows, and the bus's messages ahead
 ITEMS = 32  # items of the stream row's step
 INPUT = 1
-PROTOCOL = "protocol"  # the protocol floor's results key
+PROTOCOL, UNSIGNED = "protocol", "unsigned"  # the protocol floor's results keys
 TARGET_CALL, TARGET_CALLER, TARGET_RANK = 1.3, 1.5, 1.3  # issue 52's goals, x the bus
 TARGET_IN_FLIGHT, TARGET_ITEM = 0.8, 1.3
 
@@ -102,10 +103,14 @@ def one_world_size(ws: int, s: Settings, results: Results) -> None:
         bus_peers = started_since(before, ws)
         before = children()
         protocol = ProtocolFloor(ws)
+        protocol_peers = started_since(before, ws)
+        before = children()
+        unsigned = ProtocolFloor(ws, mac=False)
         try:
             sides = {OURS: Side(lambda: ours.generate(INPUT), our_ranks),
                      FLOOR: Side(bus.generate, bus_peers),
-                     PROTOCOL: Side(lambda: protocol.generate(INPUT),
+                     PROTOCOL: Side(lambda: protocol.generate(INPUT), protocol_peers),
+                     UNSIGNED: Side(lambda: unsigned.generate(INPUT),
                                     started_since(before, ws))}
             for side in sides.values():
                 for _ in range(s.call_warmup):
@@ -118,6 +123,7 @@ def one_world_size(ws: int, s: Settings, results: Results) -> None:
                 results.put(CALLER, cfg, key, summarize([side.caller / side.calls]))
                 results.put(RANKS, cfg, key, summarize([side.rank_cpu / side.calls]))
         finally:
+            unsigned.close()
             protocol.close()
             bus.close()
     finally:
@@ -139,6 +145,7 @@ def in_flight_and_items(ws: int, s: Settings, results: Results) -> None:
                                 device="cpu", call_timeout=120.0)
     bus = RawFloor(ws)
     protocol = ProtocolFloor(ws)
+    unsigned = ProtocolFloor(ws, mac=False)
     try:
         ahead.start()
         streams.start()
@@ -160,6 +167,7 @@ def in_flight_and_items(ws: int, s: Settings, results: Results) -> None:
             f"{FLOOR} {ITEM}": (lambda: bus.stream(ITEMS), ITEMS),
             f"{PROTOCOL} {IN_FLIGHT}": (lambda: protocol.pipelined(calls, AHEAD), calls),
             f"{PROTOCOL} {ITEM}": (lambda: protocol.stream(ITEMS), ITEMS),
+            f"{UNSIGNED} {IN_FLIGHT}": (lambda: unsigned.pipelined(calls, AHEAD), calls),
         }
         samples: dict[str, list[float]] = {k: [] for k in blocks}
         for block, _ in blocks.values():
@@ -174,6 +182,7 @@ def in_flight_and_items(ws: int, s: Settings, results: Results) -> None:
             impl, metric = key.split(" ", 1)
             results.put(metric, cfg, impl, summarize(values))
     finally:
+        unsigned.close()
         protocol.close()
         bus.close()
         streams.shutdown()
@@ -229,6 +238,8 @@ def rows(results: Results, settings: Settings) -> list[Row]:
         out.append(ranks)
         out.append(_floor_row(section, f"the protocol alone, world_size {ws}",
                               results.get(CALL, cfg, PROTOCOL), results.get(CALL, cfg, FLOOR)))
+        out.append(_floor_row(section, f"the protocol alone without the MAC, world_size {ws}",
+                              results.get(CALL, cfg, UNSIGNED), results.get(CALL, cfg, FLOOR)))
         if not first:
             first = {k: results.get(CALLER, cfg, k) for k in (OURS, FLOOR)}
     last = f"ws{settings.table_world_sizes[-1]}"
@@ -252,6 +263,10 @@ def rows(results: Results, settings: Settings) -> list[Row]:
                           TARGET_ITEM, label="one message of rank 0's"))
     out.append(_floor_row(section, f"the protocol alone, max_in_flight={AHEAD}, world_size 2, "
                           "per call", results.get(IN_FLIGHT, "ws2", PROTOCOL),
+                          results.get(IN_FLIGHT, "ws2", FLOOR),
+                          label=f"the bus with {AHEAD} messages ahead"))
+    out.append(_floor_row(section, f"the protocol alone without the MAC, max_in_flight={AHEAD}, "
+                          "world_size 2, per call", results.get(IN_FLIGHT, "ws2", UNSIGNED),
                           results.get(IN_FLIGHT, "ws2", FLOOR),
                           label=f"the bus with {AHEAD} messages ahead"))
     out.append(_floor_row(section, "the protocol alone, one stream item, world_size 2",

@@ -12,8 +12,9 @@ deadlines, no ledgers, no restarts, no error contract: what the runner could rea
 its bookkeeping cost nothing, so ``ours ÷ this`` is the bookkeeping's share and ``this
 ÷ the bus`` the protocol's share of the time in Python.
 
-``python -m benchmarks.implementations.protocol_floor PUB_ADDR PULL_ADDR RANK KEY`` is
-one peer (KEY: the MAC's secret, hex).
+``ProtocolFloor(n, mac=False)`` sends the same bytes with the MAC zeroed and unchecked:
+what the MAC costs.  ``python -m benchmarks.implementations.protocol_floor PUB_ADDR
+PULL_ADDR RANK KEY`` is one peer (KEY: the MAC's secret, hex; empty: no MAC).
 """
 
 from __future__ import annotations
@@ -70,6 +71,20 @@ class Signer:
             raise RuntimeError("protocol floor: MAC mismatch")
 
 
+class Unsigned(Signer):
+    """The same frames with the MAC's bytes left zero and never checked: what the MAC
+    itself costs, measured (no runner runs without it)."""
+
+    def __init__(self, key: bytes) -> None:
+        pass
+
+    def sign(self, head: bytes) -> bytes:
+        return bytes(MAC_SIZE) + head
+
+    def check(self, frame: bytes) -> None:
+        pass
+
+
 def call_frame(signer: Signer, seq: int, value: object, method: int = GENERATE) -> bytes:
     """A plain CALL of ``value`` (embedded), as ``framing.Channel.pack`` frames it."""
     return signer.sign(_pack(WIRE_VERSION, CALL, Hot.EMBEDDED, method, -1, seq, 0.0, 0.0, 0)
@@ -79,7 +94,7 @@ def call_frame(signer: Signer, seq: int, value: object, method: int = GENERATE) 
 def peer(pub_addr: str, pull_addr: str, rank: int, key: bytes) -> None:
     """One rank: ``generate(value)`` returns ``value``; ``generate(("items", n))``: rank 0
     sends n ITEMs first (a stream's step); a RESET call ends the peer."""
-    signer = Signer(key)
+    signer = Signer(key) if key else Unsigned(key)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -124,10 +139,10 @@ class ProtocolFloor:
 
     name = "protocol floor"
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, mac: bool = True) -> None:
         self.world_size = world_size
-        self.key = os.urandom(SECRET_SIZE)
-        self.signer = Signer(self.key)
+        self.key = os.urandom(SECRET_SIZE) if mac else b""
+        self.signer = Signer(self.key) if mac else Unsigned(self.key)
         self.seq = 0
         self.owed: dict[int, int] = {}  # replies still to come, by call (in flight)
         self.tmp = tempfile.mkdtemp(prefix=f"rdbench-{os.getpid()}-proto-")
