@@ -8,6 +8,7 @@ the runner's TCP bus (CurveZMQ) and never through /dev/shm.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import textwrap
 import threading
 import time
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 import psutil
@@ -78,6 +80,7 @@ def cluster():
     # in /tmp/ray, no session_latest repointed (short: Ray's socket paths are bounded).
     temp_dir = tempfile.mkdtemp(prefix="rd-ray-", dir="/tmp")
     ray_folders = default_ray_folders()
+    address_kept = keep_ray_address()
     nodes = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "include_dashboard": False, "temp_dir": temp_dir})
     nodes.add_node(num_cpus=2, num_gpus=2, resources={"far": 2}, temp_dir=temp_dir)
@@ -90,6 +93,7 @@ def cluster():
         ray.shutdown()
         nodes.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+        address_kept()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -108,6 +112,32 @@ def default_ray_folders() -> dict[str, str]:
         return {}
     return {name: os.readlink(os.path.join(top, name))
             if os.path.islink(os.path.join(top, name)) else "" for name in os.listdir(top)}
+
+
+def keep_ray_address() -> Callable[[], None]:
+    """Ray's Cluster writes the head's address to /tmp/ray/ray_current_cluster even with a
+    temp_dir of its own, and fails where /tmp/ray is absent (a fresh machine): make the
+    folder, and return what puts it back as it was (the file's old text, or no folder)."""
+    top = "/tmp/ray"
+    address = os.path.join(top, "ray_current_cluster")
+    made = not os.path.isdir(top)
+    text = None
+    if made:
+        os.makedirs(top)
+    elif os.path.exists(address):
+        with open(address) as f:
+            text = f.read()
+
+    def put_back() -> None:
+        if made:
+            shutil.rmtree(top, ignore_errors=True)
+        elif text is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(address)
+        else:
+            with open(address, "w") as f:
+                f.write(text)
+    return put_back
 
 
 def placed_runner(**kwargs) -> DistributedRunner:
