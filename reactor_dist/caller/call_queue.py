@@ -46,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from threading import get_ident
 from time import monotonic
 from typing import Any
 
@@ -136,6 +137,7 @@ class CallQueue:
         self.wakers: list[Waker] = []
         self.readers: dict[asyncio.AbstractEventLoop, int] = {}  # tasks waiting, per loop
         self.collector: threading.Thread | None = None
+        self.collector_ident = 0  # its thread's (0: none runs), which needs no waking
 
     # -- observers -------------------------------------------------------------------------
     def attach(self, observer: Observer) -> None:
@@ -463,7 +465,8 @@ class CallQueue:
                 self.dispatch(message)
         finally:
             self.receiving = False
-            if self.waiting or self.wakers or self.collector is not None:
+            if self.waiting or self.wakers or (self.collector is not None and
+                                               self.collector_ident != get_ident()):
                 self.changed_all()
 
     def drain(self) -> bool:
@@ -494,8 +497,9 @@ class CallQueue:
             self.changed.notify_all()
         for waker in self.wakers:
             waker.wake()
-        if self.collector is not None and self.engine.unwatched():
-            self.wanted.notify()
+        if self.collector is not None and self.collector_ident != get_ident() and \
+                self.engine.unwatched():
+            self.wanted.notify()  # (the collector itself looks again as it loops)
 
     def wait_for_receiver(self) -> None:
         """Under the lock: until no caller receives or sends (shutdown, a restart)."""
@@ -616,6 +620,7 @@ class CallQueue:
 
     def collect(self) -> None:
         engine = self.engine
+        self.collector_ident = get_ident()
         try:
             while True:
                 with self.lock:
@@ -628,6 +633,7 @@ class CallQueue:
                         self.serve(time.monotonic(), None)
                 self.settle_futures()
         finally:
+            self.collector_ident = 0  # (a thread started later may get the same ident)
             self.settle_futures()
 
     def stop_collector(self) -> None:
