@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from hashlib import blake2b
 from hmac import compare_digest
 
 import zmq
 
-from benchmarks.implementations.procs import child_env, stop_processes
-from benchmarks.implementations.raw_floor import OWN_GROUP
+from benchmarks.implementations.procs import child_env
+from benchmarks.implementations.raw_floor import OWN_GROUP, RawFloor
 from reactor_dist.wire.protocol import (
     ACK_SIZE,
     HOT_HEAD,
@@ -133,9 +131,9 @@ def peer(pub_addr: str, pull_addr: str, rank: int, key: bytes) -> None:
     ctx.term()
 
 
-class ProtocolFloor:
+class ProtocolFloor(RawFloor):
     """The caller's side, with a pool's ``generate`` and the bus's ``pipelined`` and
-    ``stream``, so that all three are timed alike."""
+    ``stream``, so that all three are timed alike; bound and closed as the bus is."""
 
     name = "protocol floor"
 
@@ -145,14 +143,7 @@ class ProtocolFloor:
         self.signer = Signer(self.key) if mac else Unsigned(self.key)
         self.seq = 0
         self.owed: dict[int, int] = {}  # replies still to come, by call (in flight)
-        self.tmp = tempfile.mkdtemp(prefix=f"rdbench-{os.getpid()}-proto-")
-        self.ctx = zmq.Context()
-        self.pub, self.pull = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.PULL)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pull.setsockopt(zmq.LINGER, 0)
-        pub_addr, pull_addr = f"ipc://{self.tmp}/cmd", f"ipc://{self.tmp}/rep"
-        self.pub.bind(pub_addr)
-        self.pull.bind(pull_addr)
+        pub_addr, pull_addr = self.bind("proto")
         self.procs = [
             subprocess.Popen([sys.executable, "-m", "benchmarks.implementations.protocol_floor",
                               pub_addr, pull_addr, str(r), self.key.hex()], env=child_env(),
@@ -226,14 +217,8 @@ class ProtocolFloor:
         return self.generate(("items", items))
 
     def close(self) -> None:
-        if self.ctx.closed:
-            return
-        self.pub.send(call_frame(self.signer, self.seq + 1, None, STOP))
-        stop_processes(self.procs)
-        self.pub.close(0)
-        self.pull.close(0)
-        self.ctx.term()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        if not self.ctx.closed:
+            self.unbind(call_frame(self.signer, self.seq + 1, None, STOP))
 
 
 if __name__ == "__main__":

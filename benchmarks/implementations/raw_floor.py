@@ -67,14 +67,7 @@ class RawFloor:
 
     def __init__(self, world_size: int, *, own_group: bool = True) -> None:
         self.world_size = world_size
-        self.tmp = tempfile.mkdtemp(prefix=f"rdbench-{os.getpid()}-raw-")
-        self.ctx = zmq.Context()
-        self.pub, self.pull = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.PULL)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pull.setsockopt(zmq.LINGER, 0)
-        pub_addr, pull_addr = f"ipc://{self.tmp}/cmd", f"ipc://{self.tmp}/rep"
-        self.pub.bind(pub_addr)
-        self.pull.bind(pull_addr)
+        pub_addr, pull_addr = self.bind("raw")
         self.procs = [
             subprocess.Popen([sys.executable, "-m", "benchmarks.implementations.raw_floor",
                               pub_addr, pull_addr, str(r)], env=child_env(),
@@ -140,15 +133,31 @@ class RawFloor:
                 send(MESSAGE)
                 sent += 1
 
-    def close(self) -> None:
-        if self.ctx.closed:
-            return
-        self.pub.send(STOP)
+    def bind(self, tag: str) -> tuple[str, str]:
+        """A private folder with the PUB and PULL sockets bound in it: their addresses
+        (the protocol floor's caller binds the same way)."""
+        self.tmp = tempfile.mkdtemp(prefix=f"rdbench-{os.getpid()}-{tag}-")
+        self.ctx = zmq.Context()
+        self.pub, self.pull = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.PULL)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        pub_addr, pull_addr = f"ipc://{self.tmp}/cmd", f"ipc://{self.tmp}/rep"
+        self.pub.bind(pub_addr)
+        self.pull.bind(pull_addr)
+        return pub_addr, pull_addr
+
+    def unbind(self, stop: bytes) -> None:
+        """Send ``stop``, wait for the peers, close the sockets, remove the folder."""
+        self.pub.send(stop)
         stop_processes(self.procs)
         self.pub.close(0)
         self.pull.close(0)
         self.ctx.term()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def close(self) -> None:
+        if not self.ctx.closed:
+            self.unbind(STOP)
 
 
 if __name__ == "__main__":
