@@ -19,7 +19,7 @@ export RAY_USAGE_STATS_ENABLED = 0
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml reactor_dist/wire/_framing.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# A torch already in the environment is kept; else TORCH_SPEC (see above).

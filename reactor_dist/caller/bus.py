@@ -165,6 +165,8 @@ class Bus:
         self.death_addr = f"inproc://reactor-dist-deaths-{id(self):x}"
         self.pull.bind(self.death_addr)
         self.pull_fd = self.pull.get(zmq.FD)  # for an event loop's add_reader (aio.py)
+        # framing's compiled half reads the reply socket by its handle (0 once closed).
+        self.wire, self.pull_handle = self.channel.wire, self.pull.underlying
         self.pull_events = functools.partial(super(zmq.Socket, self.pull).get, zmq.EVENTS)
         self._pub_open = False  # a multipart command is half-sent (interrupted)
         self.pub_lock = threading.Lock()  # the caller's thread and the releaser's
@@ -275,19 +277,34 @@ class Bus:
         or with ``acks`` a plain reply as HOT_HEAD's fields and its payload
         (:meth:`framing.Channel.take`: the call queue counts it into its call); None when
         ``wait_ms`` (-1: no limit) passed first or the message is not ours."""
-        if wait_ms == 0:  # no wait: the socket's RCVTIMEO stays what the waits want
-            flags = NOBLOCK
-        else:
-            flags = 0
-            if wait_ms != self._pull_timeout:  # most calls keep the last setting
-                self.set_timeout(wait_ms)
+        flags = self.flags_for(wait_ms)
         try:
-            message = self.take(framing.receive(self.pull, flags))
+            parts = framing.receive(self.pull, flags) if self.wire is None else \
+                self.wire.receive(self.pull_handle, flags)
         except zmq.Again:
             return None
+        return self.judge(parts, acks)
+
+    def flags_for(self, wait_ms: int) -> int:
+        """The receive flags for a wait of ``wait_ms``, the socket's RCVTIMEO set for it."""
+        if wait_ms == 0:  # no wait: the socket's RCVTIMEO stays what the waits want
+            return NOBLOCK
+        if wait_ms != self._pull_timeout:  # most calls keep the last setting
+            self.set_timeout(wait_ms)
+        return 0
+
+    def judge(self, parts: list[Any], acks: bool) -> tuple | None:
+        """:meth:`receive`'s answer for one message's frames, as received."""
+        try:
+            message = self.take(parts)
         except framing.ProtocolError as exc:
             self.rejected(exc)
             return None
+        return self.admitted(message, acks)
+
+    def admitted(self, message: tuple, acks: bool) -> tuple | None:
+        """A verified message (:meth:`framing.Channel.take`'s) if it is for the runner and of
+        one of its ranks, else None."""
         if len(message) != 2:  # a plain reply: HOT_HEAD's fields, its payload (Channel.take)
             if not 0 <= message[ACK_RANK] < self.world_size:
                 return None
@@ -305,7 +322,29 @@ class Bus:
         came.  The caller that waits for its call takes every acknowledgement of it in
         one pass, and any other message ends the pass (its receiver judges it); empty
         when nothing authentic arrived in time.  Every wait of a pass keeps the first
-        one's RCVTIMEO unless ``until`` is nearer: setting it costs microseconds."""
+        one's RCVTIMEO unless ``until`` is nearer: setting it costs microseconds.  Where
+        framing's compiled half is built, a pass is one call of it (``Wire.gather``)."""
+        if self.wire is None:
+            return self._gather(seq, owed, wait_ms, until)
+        arrived: list[tuple] = []
+        while True:
+            got, rest, retime = self.wire.gather(
+                self.pull_handle, seq, owed, self.world_size, self.flags_for(wait_ms),
+                wait_ms, -1.0 if until is None else until)
+            arrived += got
+            if rest is not None:  # a decoded item (a tuple), or frames to judge
+                message = self.admitted(rest, True) if type(rest) is tuple else \
+                    self.judge(rest, True)
+                if message is not None:
+                    arrived.append(message)
+                return arrived
+            if not retime:
+                return arrived
+            owed -= len(got)
+            wait_ms = timeouts.wait_ms(until - time.monotonic())  # type: ignore[operator]
+
+    def _gather(self, seq: int, owed: int, wait_ms: int, until: float | None) -> list[tuple]:
+        """:meth:`gather` in pure Python."""
         arrived: list[tuple] = []
         message = self.receive(wait_ms, True)
         while message is not None:
@@ -352,6 +391,7 @@ class Bus:
             push.close()
 
     def close(self) -> None:
+        self.pull_handle = 0  # the compiled half refuses it (ENOTSOCK), as pyzmq would
         self.pub.close(linger=0)
         self.pull.close(linger=0)
         if self.auth is not None:

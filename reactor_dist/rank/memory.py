@@ -54,6 +54,7 @@ class Inbox:
     def __init__(self, channel: framing.Channel, sub: zmq.Socket,
                  on_memory: Callable[[dict[str, Any]], None]) -> None:
         self.channel, self.sub, self.on_memory = channel, sub, on_memory
+        self.handle = sub.underlying  # for framing's compiled half (Channel.command)
         # ZeroMQ's EVENTS as a plain int (pyzmq's flag enums cost microseconds a test).
         self.events = functools.partial(super(zmq.Socket, sub).get, zmq.EVENTS)
         self.backlog: collections.deque[Message] = collections.deque()
@@ -97,7 +98,7 @@ class Inbox:
 
     def _read(self) -> Message | None:
         try:
-            header, body = self.channel.recv(self.sub)
+            header, body = self.channel.command(self.sub, self.handle)
         except framing.ProtocolError as exc:
             self.rejected += 1
             if self.rejected <= 3:  # say it, but never flood the log

@@ -25,11 +25,18 @@ of another wire version, raises :class:`ProtocolError`.
 
 Decoded, a header is a plain dict keyed by ``Field``'s constants; empty fields are
 left out, and readers use ``header.get``.
+
+The per-message path has a compiled half, ``_framing.c`` beside this file (:data:`COMPILED`):
+a one-frame MAC, a caller's pass over one call's acknowledgements (``Wire.gather``) and
+a rank's receipt of a plain command (``Wire.command``), each one C call with the GIL
+released while it waits.  It is optional and speaks the same bytes: where it is not built,
+or PURE_PYTHON_ENV is set, this module's own code does the same.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Sequence
 from hashlib import blake2b as _blake2b
 from hmac import compare_digest
@@ -54,6 +61,7 @@ from .protocol import (
     MAX_MESSAGE_DEFAULT,
     MAX_MESSAGE_ENV,
     PREFIX,
+    PURE_PYTHON_ENV,
     SECRET_SIZE,
     WIRE_VERSION,
     Field,
@@ -63,7 +71,7 @@ from .protocol import (
 )
 
 __all__ = ["MAC_SIZE", "SECRET_SIZE", "EMBED_LIMIT", "Channel", "ProtocolError", "send",
-           "direct_send", "MAX_FRAME", "MAX_MESSAGE", "bounded"]
+           "direct_send", "MAX_FRAME", "MAX_MESSAGE", "bounded", "COMPILED"]
 
 _SNDMORE = int(zmq.SNDMORE)
 MAX_FRAME = int(os.environ.get(MAX_FRAME_ENV) or MAX_FRAME_DEFAULT)
@@ -83,6 +91,53 @@ _CODE_AT = MAC_SIZE + 1  # where the kind's code is in a first frame
 # Every flag bit a hot kind may carry.
 _KNOWN_FLAGS = {kind: sum(booleans.values()) | Hot.COUNT | Hot.COMPUTE | Hot.WAIT
                 | Hot.EMBEDDED | Hot.EXTRAS for kind, booleans in Hot.BOOLEANS.items()}
+
+
+def _loaded_libzmq() -> str | None:
+    """The libzmq file pyzmq loaded into this process; None where pyzmq holds libzmq
+    inside its own extension (a static build), which the compiled half cannot reach."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1]
+                if os.path.basename(path).startswith("libzmq"):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def _compiled() -> Any:
+    """framing's compiled half (``_framing.c``), bound to pyzmq's libzmq; None where it is
+    not built, is turned off (PURE_PYTHON_ENV), or cannot reach libzmq or this layout."""
+    if os.environ.get(PURE_PYTHON_ENV, "") not in ("", "0") or sys.byteorder != "little":
+        return None
+    try:
+        from . import _framing  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    path = _loaded_libzmq()
+    if path is None or _framing.HOT_FORMAT != HOT_HEAD.format or _framing.MAC_SIZE != MAC_SIZE:
+        return None
+    try:
+        _framing.bind(path)
+    except OSError:
+        return None
+    return _framing
+
+
+def _zmq_failed(errno: int) -> None:
+    """Raise what pyzmq raises for libzmq's ``errno`` (the compiled half calls it)."""
+    if errno == zmq.EAGAIN:
+        raise zmq.Again(errno)
+    if errno == zmq.ETERM:
+        raise zmq.ContextTerminated(errno)
+    raise zmq.ZMQError(errno)
+
+
+def _too_big(size: int) -> None:
+    raise ProtocolError(f"a message of {size >> 20} MiB, over the bound of "
+                        f"{MAX_MESSAGE >> 20} MiB ({MAX_MESSAGE_ENV})")
 
 
 def bounded(sock: zmq.Socket) -> zmq.Socket:
@@ -106,6 +161,17 @@ class Channel:
         self._one_frame = _blake2b(digest_size=MAC_SIZE, key=secret, person=MAC_ONE_FRAME)
         self._frames = _blake2b(digest_size=MAC_SIZE, key=secret, person=MAC_FRAMES)
         self._pack = msgpack.Packer(use_bin_type=True).pack
+        # The compiled half under this secret, or None (then the code below does it all).
+        self.wire = None if COMPILED is None else COMPILED.Wire(
+            key=secret, person=MAC_ONE_FRAME, version=WIRE_VERSION, call_code=_CALL_CODE,
+            reply_code=_REPLY_CODE, item_code=_ITEM_CODE, ok=Hot.OK, taken_flags=_TAKEN_FLAGS,
+            embedded=Hot.EMBEDDED, behind=_BEHIND, count=Hot.COUNT, copy_limit=COPY_LIMIT,
+            max_message=MAX_MESSAGE, failed=_zmq_failed, too_big=_too_big,
+            methods=_METHOD_NAMES, k_kind=Field.KIND, k_seq=Field.SEQ, k_rank=Field.RANK,
+            k_method=Field.METHOD, k_behind=Field.BEHIND, k_index=Field.INDEX,
+            v_call=Kind.CALL, v_item=Kind.ITEM)
+        if self.wire is not None:
+            self._sign = self.wire.sign
 
     def mac(self, frames: Sequence[Any]) -> bytes:
         """The MAC of a message whose frames (the first one without its MAC) are ``frames``."""
@@ -128,10 +194,15 @@ class Channel:
             embedded, body = body[0], body[1:]
         head = self.head(header, embedded)
         if not body:
-            digest = self._one_frame.copy()
-            digest.update(head)
-            return [digest.digest() + head]
+            return [self._sign(head)]
         return [self.mac([head, *body]) + head, *body]
+
+    def _sign(self, head: bytes) -> bytes:
+        """A one-frame message's frame: the MAC of ``head``, then it (an instance's
+        compiled ``wire.sign`` stands in where there is one)."""
+        digest = self._one_frame.copy()
+        digest.update(head)
+        return digest.digest() + head
 
     def head(self, header: dict[str, Any], embedded: bytes | None = None) -> bytes:
         """A header's bytes (without the MAC), as protocol.HOT_HEAD and Hot lay them out."""
@@ -263,6 +334,14 @@ class Channel:
         RCVTIMEO)."""
         return self.unpack(receive(sock))
 
+    def command(self, sock: zmq.Socket, handle: int) -> tuple[dict[str, Any], list[Any]]:
+        """:meth:`recv` of a rank's commands, ``handle`` its ``sock.underlying``: a plain
+        call or item decoded in one compiled step where there is one."""
+        if self.wire is None:
+            return self.unpack(receive(sock))
+        message = self.wire.command(handle, 0)
+        return message if type(message) is tuple else self.unpack(message)
+
 
 def _plain_head(kind: str, header: dict[str, Any], embedded: bytes | None) -> bytes | None:
     """The header bytes of the commonest messages, packed straight (what
@@ -324,6 +403,9 @@ def _plain_message(first: bytes) -> tuple[dict[str, Any], list[Any]] | None:
     if flags & Hot.EMBEDDED:
         return header, [first[ACK_SIZE:]]
     return (header, []) if len(first) == ACK_SIZE else None
+
+
+COMPILED = _compiled()  # framing's compiled half, bound; None: the pure-Python path alone
 
 
 def decode(head: Any) -> dict[str, Any]:

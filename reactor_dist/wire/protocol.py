@@ -140,6 +140,9 @@ MAC_ONE_FRAME, MAC_FRAMES = b"reactor-dist/1", b"reactor-dist/n"  # MAC personal
 # runner waits, re-sends or reports (reactor_dist.caller.bus).  Settable for tests.
 SEND_BOUND_ENV = "REACTOR_DIST_SEND_BOUND"
 SEND_BOUND_DEFAULT = 1000
+# Set (to anything but "" or "0"): framing's pure-Python path even where its compiled half
+# (reactor_dist/wire/_framing.c) is built; both speak the same wire.
+PURE_PYTHON_ENV = "REACTOR_DIST_PURE_PYTHON"
 
 # -- header fields ------------------------------------------------------------------------
 class Field:
