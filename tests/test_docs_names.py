@@ -142,7 +142,10 @@ def modules() -> dict[str, Any]:
 
 
 def top_level_names(module: Any) -> set[str]:
-    """The names a module's source defines at its top level (not the ones it imports)."""
+    """The names a module's source defines at its top level (not the ones it imports);
+    a compiled module (framing's C half) by what it holds."""
+    if not module.__file__.endswith(".py"):
+        return {name for name in vars(module) if not name.startswith("__")}
     tree = ast.parse(inspect.getsource(module))
     names: set[str] = set()
 

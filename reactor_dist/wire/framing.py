@@ -137,7 +137,22 @@ def _zmq_failed(errno: int) -> None:
 
 def _too_big(size: int) -> None:
     raise ProtocolError(f"a message of {size >> 20} MiB, over the bound of "
-                        f"{MAX_MESSAGE >> 20} MiB ({MAX_MESSAGE_ENV})")
+                        f"{MAX_MESSAGE >> 20} MiB ({MAX_MESSAGE_ENV})")  # receive()'s words
+
+
+def compiled_wire(secret: bytes, max_message: int | None = None) -> Any:
+    """The compiled half's ``Wire`` under ``secret``, handed every constant of this wire
+    that it uses (``max_message``: MAX_MESSAGE unless given); None where it is not built."""
+    if COMPILED is None:
+        return None
+    return COMPILED.Wire(
+        key=secret, person=MAC_ONE_FRAME, version=WIRE_VERSION, call_code=_CALL_CODE,
+        reply_code=_REPLY_CODE, item_code=_ITEM_CODE, ok=Hot.OK, taken_flags=_TAKEN_FLAGS,
+        embedded=Hot.EMBEDDED, behind=_BEHIND, count=Hot.COUNT, copy_limit=COPY_LIMIT,
+        max_message=MAX_MESSAGE if max_message is None else max_message,
+        failed=_zmq_failed, too_big=_too_big, methods=_METHOD_NAMES, k_kind=Field.KIND,
+        k_seq=Field.SEQ, k_rank=Field.RANK, k_method=Field.METHOD, k_behind=Field.BEHIND,
+        k_index=Field.INDEX, v_call=Kind.CALL, v_item=Kind.ITEM)
 
 
 def bounded(sock: zmq.Socket) -> zmq.Socket:
@@ -162,14 +177,7 @@ class Channel:
         self._frames = _blake2b(digest_size=MAC_SIZE, key=secret, person=MAC_FRAMES)
         self._pack = msgpack.Packer(use_bin_type=True).pack
         # The compiled half under this secret, or None (then the code below does it all).
-        self.wire = None if COMPILED is None else COMPILED.Wire(
-            key=secret, person=MAC_ONE_FRAME, version=WIRE_VERSION, call_code=_CALL_CODE,
-            reply_code=_REPLY_CODE, item_code=_ITEM_CODE, ok=Hot.OK, taken_flags=_TAKEN_FLAGS,
-            embedded=Hot.EMBEDDED, behind=_BEHIND, count=Hot.COUNT, copy_limit=COPY_LIMIT,
-            max_message=MAX_MESSAGE, failed=_zmq_failed, too_big=_too_big,
-            methods=_METHOD_NAMES, k_kind=Field.KIND, k_seq=Field.SEQ, k_rank=Field.RANK,
-            k_method=Field.METHOD, k_behind=Field.BEHIND, k_index=Field.INDEX,
-            v_call=Kind.CALL, v_item=Kind.ITEM)
+        self.wire = compiled_wire(secret)
         if self.wire is not None:
             self._sign = self.wire.sign
 
@@ -356,7 +364,8 @@ def _plain_head(kind: str, header: dict[str, Any], embedded: bytes | None) -> by
             flags |= _BEHIND
         elif len(header) != 4:
             return None
-        value = _METHOD_CODES.get(header.get(Field.METHOD), 0)
+        method = header.get(Field.METHOD)
+        value = _METHOD_CODES.get(method, 0) if type(method) is str else 0
         if not value:
             return None
         head = _pack_hot(WIRE_VERSION, _CALL_CODE, flags, value, header[Field.RANK],
