@@ -20,6 +20,8 @@ import time
 import msgpack
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from reactor_dist.caller import bus as bus_module
 from reactor_dist.wire import framing
@@ -284,3 +286,52 @@ def test_a_rank_decodes_each_command_as_the_pure_path_does(what, frames):
         pull.close(linger=0)
         push.close(linger=0)
         ctx.term()
+
+
+plain_like = st.fixed_dictionaries(
+    {Field.KIND: st.sampled_from([Kind.CALL, Kind.REPLY, Kind.ITEM, Kind.PONG, "call"]),
+     Field.SEQ: st.integers(-2, 2 ** 64) | st.booleans() | st.just(1.0),
+     Field.RANK: st.integers(-2 ** 31 - 1, 2 ** 31) | st.booleans()},
+    optional={Field.METHOD: st.sampled_from([Method.GENERATE, Method.RESET, Method.SNAPSHOT,
+                                             Method.RESTORE, "warm_up", ""]) | st.just([]),
+              Field.BEHIND: st.sampled_from([True, False, 1, None]),
+              Field.STATUS: st.sampled_from([Status.OK, Status.RAISED, "ok", 1]),
+              Field.COMPUTE: st.floats(allow_nan=False) | st.integers(0, 3),
+              Field.COLLECTIVE_WAIT: st.floats(allow_nan=False) | st.just(None),
+              Field.INDEX: st.integers(-1, 2 ** 32) | st.just(2.0),
+              Field.ERROR: st.just(["E", "m", "t"])})
+
+
+@compiled
+@settings(max_examples=600, deadline=None, derandomize=True)
+@given(plain_like, st.lists(st.binary(max_size=40) | st.binary(min_size=4097, max_size=4097),
+                            max_size=2))
+def test_a_message_packs_to_the_same_bytes_on_both_paths(header, body):
+    pure = framing.Channel(SECRET)
+    pure.wire = None
+    answers = []
+    for channel in (CHANNEL, pure):
+        try:
+            answers.append(channel.pack(dict(header), list(body)))
+        except Exception as exc:  # the same refusal, of the same type
+            answers.append((type(exc), str(exc)))
+    assert answers[0] == answers[1]
+
+
+@compiled
+@pytest.mark.parametrize("header,embedded", [
+    ({Field.KIND: Kind.CALL, Field.SEQ: 4, Field.RANK: -1, Field.METHOD: Method.GENERATE},
+     b"input"),
+    ({Field.KIND: Kind.CALL, Field.SEQ: 4, Field.RANK: -1, Field.METHOD: Method.RESET,
+      Field.BEHIND: True}, None),
+    ({Field.KIND: Kind.REPLY, Field.SEQ: 4, Field.RANK: 1, Field.STATUS: Status.OK,
+      Field.COMPUTE: 0.5}, None),
+    ({Field.KIND: Kind.REPLY, Field.SEQ: 4, Field.RANK: 0, Field.STATUS: Status.OK,
+      Field.COMPUTE: 0.5, Field.COLLECTIVE_WAIT: 0.25}, b"result"),
+    ({Field.KIND: Kind.ITEM, Field.SEQ: 4, Field.RANK: 0, Field.INDEX: 7}, b"item"),
+])
+def test_the_commonest_messages_pack_in_one_compiled_step(header, embedded):
+    frame = CHANNEL.wire.pack_plain(dict(header), embedded)
+    assert frame is not None
+    assert frame == signed(CHANNEL.general_head(dict(header), embedded))[0]
+    assert CHANNEL.unpack([frame]) == (header, [] if embedded is None else [embedded])

@@ -199,67 +199,73 @@ static PyTypeObject HeldType = {
 };
 
 /* -- Wire: one secret's MAC and the constants framing.py hands over ---------------- */
+/* framing.compiled_wire names each of these, by the names below. */
+enum { VERSION, CALL_CODE, REPLY_CODE, ITEM_CODE, OK, TAKEN_FLAGS, EMBEDDED, BEHIND, COUNT,
+       COMPUTE, WAIT, COPY_LIMIT, MAX_MESSAGE, N_INTS };
+static const char *INT_NAMES[N_INTS] = {
+    "version", "call_code", "reply_code", "item_code", "ok", "taken_flags", "embedded",
+    "behind", "count", "compute", "wait", "copy_limit", "max_message"};
+enum { FAILED, TOO_BIG, METHODS, METHOD_CODES, K_KIND, K_SEQ, K_RANK, K_METHOD, K_BEHIND,
+       K_INDEX, K_STATUS, K_COMPUTE, K_WAIT, V_CALL, V_ITEM, V_REPLY, V_OK, N_OBJECTS };
+static const char *OBJECT_NAMES[N_OBJECTS] = {
+    "failed",   /* failed(errno): raises the pyzmq error of errno */
+    "too_big",  /* too_big(size): raises framing's ProtocolError for MAX_MESSAGE */
+    "methods",  /* {code: name} of the built-in methods */
+    "method_codes", /* {name: code} */
+    "k_kind", "k_seq", "k_rank", "k_method", "k_behind", "k_index", "k_status", "k_compute",
+    "k_wait", "v_call", "v_item", "v_reply", "v_ok"};
+
 typedef struct {
     PyObject_HEAD Blake2b one_frame; /* keyed with the secret, personalized MAC_ONE_FRAME */
-    int version, call_code, reply_code, item_code, ok, taken_flags, embedded, behind, count;
-    Py_ssize_t copy_limit, max_message;
-    PyObject *failed;  /* failed(errno): raises the pyzmq error of errno */
-    PyObject *too_big; /* too_big(size): raises framing's ProtocolError for MAX_MESSAGE */
-    PyObject *methods; /* {code: method name} of the built-in methods */
-    PyObject *k_kind, *k_seq, *k_rank, *k_method, *k_behind, *k_index, *v_call, *v_item;
+    long n[N_INTS];
+    PyObject *o[N_OBJECTS];
 } Wire;
 
 static void wire_dealloc(PyObject *self) {
     Wire *w = (Wire *)self;
-    Py_XDECREF(w->failed);
-    Py_XDECREF(w->too_big);
-    Py_XDECREF(w->methods);
-    Py_XDECREF(w->k_kind);
-    Py_XDECREF(w->k_seq);
-    Py_XDECREF(w->k_rank);
-    Py_XDECREF(w->k_method);
-    Py_XDECREF(w->k_behind);
-    Py_XDECREF(w->k_index);
-    Py_XDECREF(w->v_call);
-    Py_XDECREF(w->v_item);
+    for (int i = 0; i < N_OBJECTS; i++) Py_CLEAR(w->o[i]);
     Py_TYPE(self)->tp_free(self);
 }
 
+/* Wire(key, person, ints, objects): ints and objects are dicts of the names above. */
 static int wire_init(PyObject *self, PyObject *args, PyObject *kwargs) {
     Wire *w = (Wire *)self;
     Py_buffer key, person;
-    PyObject *failed, *too_big, *methods, *k_kind, *k_seq, *k_rank, *k_method, *k_behind,
-        *k_index, *v_call, *v_item;
-    static char *names[] = {"key", "person", "version", "call_code", "reply_code", "item_code",
-                            "ok", "taken_flags", "embedded", "behind", "count", "copy_limit",
-                            "max_message", "failed", "too_big", "methods", "k_kind", "k_seq",
-                            "k_rank", "k_method", "k_behind", "k_index", "v_call", "v_item",
-                            NULL};
-    if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "y*y*iiiiiiiiinnOOO!UUUUUUUU", names, &key, &person, &w->version,
-            &w->call_code, &w->reply_code, &w->item_code, &w->ok, &w->taken_flags, &w->embedded,
-            &w->behind, &w->count, &w->copy_limit, &w->max_message, &failed, &too_big,
-            &PyDict_Type, &methods, &k_kind, &k_seq, &k_rank, &k_method, &k_behind, &k_index,
-            &v_call, &v_item))
+    PyObject *ints, *objects;
+    static char *names[] = {"key", "person", "ints", "objects", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*y*O!O!", names, &key, &person,
+                                     &PyDict_Type, &ints, &PyDict_Type, &objects))
         return -1;
-    if (key.len > 64 || person.len > 16) {
+    int bad = key.len > 64 || person.len > 16;
+    if (bad)
         PyErr_SetString(PyExc_ValueError, "a BLAKE2b key holds at most 64 bytes, a "
                                           "personalization at most 16");
-        PyBuffer_Release(&key);
-        PyBuffer_Release(&person);
-        return -1;
-    }
-    b2_init(&w->one_frame, key.buf, (size_t)key.len, person.buf, (size_t)person.len);
+    else
+        b2_init(&w->one_frame, key.buf, (size_t)key.len, person.buf, (size_t)person.len);
     PyBuffer_Release(&key);
     PyBuffer_Release(&person);
-    PyObject **slots[] = {&w->failed, &w->too_big, &w->methods, &w->k_kind, &w->k_seq,
-                          &w->k_rank, &w->k_method, &w->k_behind, &w->k_index, &w->v_call,
-                          &w->v_item};
-    PyObject *values[] = {failed, too_big, methods, k_kind, k_seq, k_rank, k_method,
-                          k_behind, k_index, v_call, v_item};
-    for (size_t i = 0; i < sizeof(values) / sizeof(values[0]); i++) {
-        Py_INCREF(values[i]);
-        Py_XSETREF(*slots[i], values[i]);
+    if (bad) return -1;
+    for (int i = 0; i < N_INTS; i++) {
+        PyObject *value = PyDict_GetItemString(ints, INT_NAMES[i]);
+        if (value == NULL) {
+            PyErr_Format(PyExc_KeyError, "Wire() needs the int %s", INT_NAMES[i]);
+            return -1;
+        }
+        w->n[i] = PyLong_AsLong(value);
+        if (w->n[i] == -1 && PyErr_Occurred()) return -1;
+    }
+    for (int i = 0; i < N_OBJECTS; i++) {
+        PyObject *value = PyDict_GetItemString(objects, OBJECT_NAMES[i]);
+        if (value == NULL) {
+            PyErr_Format(PyExc_KeyError, "Wire() needs the object %s", OBJECT_NAMES[i]);
+            return -1;
+        }
+        Py_INCREF(value);
+        Py_XSETREF(w->o[i], value);
+    }
+    if (!PyDict_Check(w->o[METHODS]) || !PyDict_Check(w->o[METHOD_CODES])) {
+        PyErr_SetString(PyExc_TypeError, "Wire(): methods and method_codes are dicts");
+        return -1;
     }
     return 0;
 }
@@ -301,8 +307,110 @@ static PyObject *wire_sign(PyObject *self, PyObject *arg) {
     return frame;
 }
 
+/* header.get(key) (borrowed; NULL when absent, without an error). */
+static PyObject *field(PyObject *header, PyObject *key) {
+    return PyDict_GetItemWithError(header, key);
+}
+
+/* An exact int in [low, high) into *out; 0 for anything else (then framing's own path
+ * packs it, or raises as it would). */
+static int int_in(PyObject *value, long long low, long long high, long long *out) {
+    if (value == NULL || !PyLong_CheckExact(value)) return 0;
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (overflow || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (v < low || v >= high) return 0;
+    *out = v;
+    return 1;
+}
+
+static int same(PyObject *a, PyObject *b) {
+    if (a == b) return 1;
+    if (a == NULL || b == NULL) return 0;
+    int equal = PyObject_RichCompareBool(a, b, Py_EQ);
+    if (equal < 0) PyErr_Clear();
+    return equal > 0;
+}
+
+/* pack_plain(header, embedded): the signed one frame of framing._plain_head's messages (a
+ * plain CALL, a plain REPLY of status OK, an ITEM with only its index), byte for byte
+ * what Channel.pack makes of them; None for any other header (Channel.pack's own path). */
+static PyObject *wire_pack_plain(PyObject *self, PyObject *args) {
+    Wire *w = (Wire *)self;
+    PyObject *header, *embedded;
+    if (!PyArg_ParseTuple(args, "O!O", &PyDict_Type, &header, &embedded)) return NULL;
+    if (embedded != Py_None && !PyBytes_Check(embedded)) Py_RETURN_NONE;
+    Py_ssize_t n = PyDict_GET_SIZE(header);
+    PyObject *kind = field(header, w->o[K_KIND]);
+    long long rank, seq, count = 0;
+    int flags = embedded == Py_None ? 0 : (int)w->n[EMBEDDED], code, value;
+    double compute = 0.0, wait = 0.0;
+    if (!int_in(field(header, w->o[K_RANK]), INT32_MIN, (long long)INT32_MAX + 1, &rank) ||
+        !int_in(field(header, w->o[K_SEQ]), 0, INT64_MAX, &seq))
+        goto other; /* (a seq of 2**63 or more: the general path packs it) */
+    if (same(kind, w->o[V_CALL])) {
+        if (n == 5 && field(header, w->o[K_BEHIND]) == Py_True)
+            flags |= (int)w->n[BEHIND];
+        else if (n != 4)
+            goto other;
+        PyObject *method = field(header, w->o[K_METHOD]);
+        if (method == NULL || !PyUnicode_CheckExact(method)) goto other;
+        PyObject *known = PyDict_GetItemWithError(w->o[METHOD_CODES], method);
+        long long number;
+        if (!int_in(known, 1, 256, &number)) goto other;
+        code = (int)w->n[CALL_CODE];
+        value = (int)number;
+    } else if (same(kind, w->o[V_REPLY])) {
+        if (n < 5 || n > 6 || !same(field(header, w->o[K_STATUS]), w->o[V_OK])) goto other;
+        PyObject *took = field(header, w->o[K_COMPUTE]), *waited = field(header, w->o[K_WAIT]);
+        if (took == NULL || !PyFloat_CheckExact(took) ||
+            (waited != NULL && !PyFloat_CheckExact(waited)) || n != 5 + (waited != NULL))
+            goto other;
+        compute = PyFloat_AS_DOUBLE(took);
+        if (waited != NULL) {
+            wait = PyFloat_AS_DOUBLE(waited);
+            flags |= (int)w->n[WAIT];
+        }
+        flags |= (int)w->n[COMPUTE];
+        code = (int)w->n[REPLY_CODE];
+        value = (int)w->n[OK];
+    } else if (same(kind, w->o[V_ITEM])) {
+        if (n != 4 || !int_in(field(header, w->o[K_INDEX]), 0, 1LL << 32, &count)) goto other;
+        flags |= (int)w->n[COUNT];
+        code = (int)w->n[ITEM_CODE];
+        value = 0;
+    } else {
+        goto other;
+    }
+    Py_ssize_t tail = embedded == Py_None ? 0 : PyBytes_GET_SIZE(embedded);
+    PyObject *frame = PyBytes_FromStringAndSize(NULL, ACK_SIZE + tail);
+    if (frame == NULL) return NULL;
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(frame), *head = out + MAC_SIZE;
+    int32_t rank32 = (int32_t)rank;
+    uint64_t seq64 = (uint64_t)seq;
+    uint32_t count32 = (uint32_t)count;
+    head[AT_VERSION] = (uint8_t)w->n[VERSION];
+    head[AT_CODE] = (uint8_t)code;
+    head[AT_FLAGS] = (uint8_t)flags;
+    head[AT_VALUE] = (uint8_t)value;
+    memcpy(head + AT_RANK, &rank32, 4);
+    memcpy(head + AT_SEQ, &seq64, 8);
+    memcpy(head + AT_COMPUTE, &compute, 8);
+    memcpy(head + AT_WAIT, &wait, 8);
+    memcpy(head + AT_COUNT, &count32, 4);
+    if (tail) memcpy(head + HOT_SIZE, PyBytes_AS_STRING(embedded), (size_t)tail);
+    one_frame_mac(w, head, HOT_SIZE + (size_t)tail, out);
+    return frame;
+other:
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *zmq_failed(Wire *w, int err) {
-    PyObject *done = PyObject_CallFunction(w->failed, "i", err);
+    PyObject *done = PyObject_CallFunction(w->o[FAILED], "i", err);
     Py_XDECREF(done);
     if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "libzmq failed (errno %d)", err);
     return NULL;
@@ -325,7 +433,7 @@ static int recv_frame(void *sock, zmq_msg_t *msg, int flags, int *err) {
  * ZeroMQ's own buffer (never copied), as pyzmq's Frame.buffer is. */
 static PyObject *frame_object(Wire *w, zmq_msg_t *msg) {
     size_t size = zmq.msg_size(msg);
-    if ((Py_ssize_t)size <= w->copy_limit) {
+    if ((Py_ssize_t)size <= w->n[COPY_LIMIT]) {
         PyObject *bytes = PyBytes_FromStringAndSize(zmq.msg_data(msg), (Py_ssize_t)size);
         zmq.msg_close(msg);
         return bytes;
@@ -356,7 +464,7 @@ static PyObject *rest_of(Wire *w, void *sock, PyObject *parts, Py_ssize_t size) 
         }
         more = zmq.msg_more(&msg);
         size += (Py_ssize_t)zmq.msg_size(&msg);
-        if (size > w->max_message) {
+        if (size > w->n[MAX_MESSAGE]) {
             Py_CLEAR(parts); /* keep reading to its end, holding nothing */
         }
         if (parts == NULL) {
@@ -372,7 +480,7 @@ static PyObject *rest_of(Wire *w, void *sock, PyObject *parts, Py_ssize_t size) 
         Py_DECREF(frame);
     }
     if (parts == NULL) {
-        PyObject *done = PyObject_CallFunction(w->too_big, "n", size);
+        PyObject *done = PyObject_CallFunction(w->o[TOO_BIG], "n", size);
         Py_XDECREF(done);
         return NULL;
     }
@@ -428,16 +536,16 @@ static PyObject *wire_receive(PyObject *self, PyObject *args) {
  * over undecoded (HOT_HEAD's nine fields and the payload, None for an acknowledgement);
  * NULL without an error for any other message. */
 static PyObject *taken(const Wire *w, const uint8_t *data, size_t size) {
-    if (size < ACK_SIZE || data[MAC_SIZE + AT_CODE] != w->reply_code) return NULL;
+    if (size < ACK_SIZE || data[MAC_SIZE + AT_CODE] != w->n[REPLY_CODE]) return NULL;
     uint8_t mac[MAC_SIZE];
     one_frame_mac(w, data + MAC_SIZE, size - MAC_SIZE, mac);
     if (!same_mac(mac, data)) return NULL;
     const uint8_t *head = data + MAC_SIZE;
     int flags = head[AT_FLAGS];
-    if (head[AT_VERSION] != w->version || head[AT_VALUE] != w->ok || (flags & ~w->taken_flags))
+    if (head[AT_VERSION] != w->n[VERSION] || head[AT_VALUE] != w->n[OK] || (flags & ~w->n[TAKEN_FLAGS]))
         return NULL;
     PyObject *payload;
-    if (!(flags & w->embedded)) {
+    if (!(flags & w->n[EMBEDDED])) {
         if (size != ACK_SIZE) return NULL;
         payload = Py_None;
         Py_INCREF(payload);
@@ -466,33 +574,33 @@ static PyObject *taken(const Wire *w, const uint8_t *data, size_t size) {
  * other message (Channel.unpack's to judge). */
 static PyObject *plain(const Wire *w, const uint8_t *data, size_t size) {
     const uint8_t *head = data + MAC_SIZE;
-    if (size < ACK_SIZE || (Py_ssize_t)size > w->copy_limit || head[AT_VERSION] != w->version ||
-        (head[AT_CODE] != w->call_code && head[AT_CODE] != w->item_code))
+    if (size < ACK_SIZE || (Py_ssize_t)size > w->n[COPY_LIMIT] || head[AT_VERSION] != w->n[VERSION] ||
+        (head[AT_CODE] != w->n[CALL_CODE] && head[AT_CODE] != w->n[ITEM_CODE]))
         return NULL;
     uint8_t mac[MAC_SIZE];
     one_frame_mac(w, head, size - MAC_SIZE, mac);
     if (!same_mac(mac, data)) return NULL;
-    int hot_flags = head[AT_FLAGS], value = head[AT_VALUE], call = head[AT_CODE] == w->call_code;
-    if (!(hot_flags & w->embedded) && size != ACK_SIZE) return NULL;
+    int hot_flags = head[AT_FLAGS], value = head[AT_VALUE], call = head[AT_CODE] == w->n[CALL_CODE];
+    if (!(hot_flags & w->n[EMBEDDED]) && size != ACK_SIZE) return NULL;
     PyObject *kind, *field, *named;
     if (call) {
-        if (hot_flags & ~(w->embedded | w->behind)) return NULL;
+        if (hot_flags & ~(w->n[EMBEDDED] | w->n[BEHIND])) return NULL;
         PyObject *code = PyLong_FromLong(value);
         if (code == NULL) return NULL;
-        named = PyDict_GetItemWithError(w->methods, code); /* borrowed */
+        named = PyDict_GetItemWithError(w->o[METHODS], code); /* borrowed */
         Py_DECREF(code);
         if (named == NULL) return NULL;
         Py_INCREF(named);
-        kind = w->v_call;
-        field = w->k_method;
+        kind = w->o[V_CALL];
+        field = w->o[K_METHOD];
     } else {
-        if (value || (hot_flags & ~w->embedded) != w->count) return NULL;
+        if (value || (hot_flags & ~w->n[EMBEDDED]) != w->n[COUNT]) return NULL;
         uint32_t count;
         memcpy(&count, head + AT_COUNT, 4);
         named = PyLong_FromUnsignedLong(count);
         if (named == NULL) return NULL;
-        kind = w->v_item;
-        field = w->k_index;
+        kind = w->o[V_ITEM];
+        field = w->o[K_INDEX];
     }
     int32_t rank;
     uint64_t seq;
@@ -502,15 +610,15 @@ static PyObject *plain(const Wire *w, const uint8_t *data, size_t size) {
     PyObject *header = PyDict_New();
     PyObject *seq_obj = PyLong_FromUnsignedLongLong(seq), *rank_obj = PyLong_FromLong(rank);
     int bad = body == NULL || header == NULL || seq_obj == NULL || rank_obj == NULL ||
-              PyDict_SetItem(header, w->k_kind, kind) < 0 ||
-              PyDict_SetItem(header, w->k_seq, seq_obj) < 0 ||
-              PyDict_SetItem(header, w->k_rank, rank_obj) < 0 ||
+              PyDict_SetItem(header, w->o[K_KIND], kind) < 0 ||
+              PyDict_SetItem(header, w->o[K_SEQ], seq_obj) < 0 ||
+              PyDict_SetItem(header, w->o[K_RANK], rank_obj) < 0 ||
               PyDict_SetItem(header, field, named) < 0 ||
-              (call && (hot_flags & w->behind) && PyDict_SetItem(header, w->k_behind, Py_True) < 0);
+              (call && (hot_flags & w->n[BEHIND]) && PyDict_SetItem(header, w->o[K_BEHIND], Py_True) < 0);
     Py_XDECREF(seq_obj);
     Py_XDECREF(rank_obj);
     Py_DECREF(named);
-    if (!bad && (hot_flags & w->embedded)) {
+    if (!bad && (hot_flags & w->n[EMBEDDED])) {
         PyObject *embedded = PyBytes_FromStringAndSize((const char *)data + ACK_SIZE,
                                                        (Py_ssize_t)(size - ACK_SIZE));
         bad = embedded == NULL || PyList_Append(body, embedded) < 0;
@@ -643,6 +751,7 @@ static PyObject *wire_command(PyObject *self, PyObject *args) {
 static PyMethodDef wire_methods[] = {
     {"mac", wire_mac, METH_O, "The one-frame MAC of ``data``."},
     {"sign", wire_sign, METH_O, "A one-frame message's frame: the MAC of ``head``, then it."},
+    {"pack_plain", wire_pack_plain, METH_VARARGS, "A plain message's signed frame, or None."},
     {"receive", wire_receive, METH_VARARGS, "One whole message's frames, unjudged."},
     {"gather", wire_gather, METH_VARARGS, "A pass over one call's plain replies."},
     {"command", wire_command, METH_VARARGS, "A rank's next message, a plain one decoded."},

@@ -145,14 +145,18 @@ def compiled_wire(secret: bytes, max_message: int | None = None) -> Any:
     that it uses (``max_message``: MAX_MESSAGE unless given); None where it is not built."""
     if COMPILED is None:
         return None
-    return COMPILED.Wire(
-        key=secret, person=MAC_ONE_FRAME, version=WIRE_VERSION, call_code=_CALL_CODE,
-        reply_code=_REPLY_CODE, item_code=_ITEM_CODE, ok=Hot.OK, taken_flags=_TAKEN_FLAGS,
-        embedded=Hot.EMBEDDED, behind=_BEHIND, count=Hot.COUNT, copy_limit=COPY_LIMIT,
-        max_message=MAX_MESSAGE if max_message is None else max_message,
-        failed=_zmq_failed, too_big=_too_big, methods=_METHOD_NAMES, k_kind=Field.KIND,
-        k_seq=Field.SEQ, k_rank=Field.RANK, k_method=Field.METHOD, k_behind=Field.BEHIND,
-        k_index=Field.INDEX, v_call=Kind.CALL, v_item=Kind.ITEM)
+    ints = {"version": WIRE_VERSION, "call_code": _CALL_CODE, "reply_code": _REPLY_CODE,
+            "item_code": _ITEM_CODE, "ok": Hot.OK, "taken_flags": _TAKEN_FLAGS,
+            "embedded": Hot.EMBEDDED, "behind": _BEHIND, "count": Hot.COUNT,
+            "compute": Hot.COMPUTE, "wait": Hot.WAIT, "copy_limit": COPY_LIMIT,
+            "max_message": MAX_MESSAGE if max_message is None else max_message}
+    objects = {"failed": _zmq_failed, "too_big": _too_big, "methods": _METHOD_NAMES,
+               "method_codes": _METHOD_CODES, "k_kind": Field.KIND, "k_seq": Field.SEQ,
+               "k_rank": Field.RANK, "k_method": Field.METHOD, "k_behind": Field.BEHIND,
+               "k_index": Field.INDEX, "k_status": Field.STATUS, "k_compute": Field.COMPUTE,
+               "k_wait": Field.COLLECTIVE_WAIT, "v_call": Kind.CALL, "v_item": Kind.ITEM,
+               "v_reply": Kind.REPLY, "v_ok": Status.OK}
+    return COMPILED.Wire(key=secret, person=MAC_ONE_FRAME, ints=ints, objects=objects)
 
 
 def bounded(sock: zmq.Socket) -> zmq.Socket:
@@ -200,6 +204,10 @@ class Channel:
         embedded = None
         if body and type(body[0]) is bytes and len(body[0]) <= EMBED_LIMIT:
             embedded, body = body[0], body[1:]
+        if not body and self.wire is not None:
+            frame = self.wire.pack_plain(header, embedded)  # the commonest, in one step
+            if frame is not None:
+                return [frame]
         head = self.head(header, embedded)
         if not body:
             return [self._sign(head)]
