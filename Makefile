@@ -15,7 +15,7 @@ RAY_SPEC ?= ray==2.60.0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER = 0
 export RAY_USAGE_STATS_ENABLED = 0
 
-.PHONY: venv venv-ray venv-models docs docs-check chromium docs-serve test test-slow prometheus metrics-dashboard stress chaos demo bench bench-quick bench-per-call bench-pipelined bench-recovery bench-joined bench-sessions gpu-check gpu-check-venv gpu-check-here lint clean
+.PHONY: venv venv-ray venv-models docs docs-check chromium docs-serve test test-slow prometheus metrics-dashboard stress chaos demo bench bench-quick bench-per-call bench-pipelined bench-recovery bench-joined bench-sessions gpu-check gpu-check-venv gpu-check-here compiled-here lint clean
 
 venv: $(VENV)/.installed
 
@@ -143,8 +143,20 @@ gpu-check-venv: venv-models
 # offline GPU containers that have torch, transformers and diffusers already.  PYTHON
 # picks the interpreter (make gpu-check-here PYTHON=/opt/conda/bin/python); the checkout
 # goes on PYTHONPATH.  It first names each package it lacks and what that skips.
-gpu-check-here:
+gpu-check-here: compiled-here
 	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) -m benchmarks.gpu_check --current-env
+
+# framing's compiled half (reactor_dist/wire/_framing.c) built in place for PYTHON with the
+# C compiler alone: offline, no pip, no venv (the install builds it everywhere else).
+# Where it cannot be built it says so, and the pure-Python path runs.
+compiled-here:
+	@suffix=$$($(PYTHON) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))") \
+	&& include=$$($(PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['include'])") \
+	&& $(CC) -O2 -shared -fPIC -I"$$include" reactor_dist/wire/_framing.c \
+	  -o "reactor_dist/wire/_framing$$suffix" \
+	&& echo "framing's compiled half: built, reactor_dist/wire/_framing$$suffix" \
+	|| echo "framing's compiled half: not built (no C compiler or no Python headers for" \
+	  "$(PYTHON)): the pure-Python path runs"
 
 # The documentation site (mkdocs.yml, docs/): the `docs` extra into the same .venv on first
 # use, without torch or ray (mkdocstrings reads the source, it imports nothing), then a

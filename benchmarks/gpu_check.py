@@ -356,6 +356,10 @@ def main(argv: list[str]) -> int:
         if needed:
             print(f"gpu-check: cannot run without {', '.join(needed)}", file=sys.stderr)
             return 1
+        from reactor_dist.wire import framing
+
+        print("framing's compiled half: " + ("in use" if framing.COMPILED is not None else
+              "not built here (make compiled-here), the pure-Python path runs"), flush=True)
     elif argv:
         print(f"usage: python -m benchmarks.gpu_check [--current-env] (got {argv})",
               file=sys.stderr)

@@ -335,3 +335,28 @@ def test_the_commonest_messages_pack_in_one_compiled_step(header, embedded):
     assert frame is not None
     assert frame == signed(CHANNEL.general_head(dict(header), embedded))[0]
     assert CHANNEL.unpack([frame]) == (header, [] if embedded is None else [embedded])
+
+
+def test_make_compiled_here_builds_it_offline_or_says_why_not(tmp_path):
+    """The GPU machine's way (make gpu-check-here): the C compiler alone, no pip."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (tmp_path / "reactor_dist" / "wire").mkdir(parents=True)
+    for name in ("Makefile", "reactor_dist/wire/_framing.c"):
+        (tmp_path / name).write_bytes(open(os.path.join(root, name), "rb").read())
+    make = ["make", "--no-print-directory", "-C", str(tmp_path), "compiled-here",
+            f"PYTHON={sys.executable}"]
+    failed = subprocess.run([*make, "CC=/nonexistent/cc"], capture_output=True, text=True)
+    assert failed.returncode == 0
+    assert "framing's compiled half: not built (no C compiler or no Python headers" in \
+        failed.stdout
+    if framing.COMPILED is None:
+        pytest.skip("no compiler here: the build itself is not tried")
+    built = subprocess.run(make, capture_output=True, text=True, check=True)
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    assert f"framing's compiled half: built, reactor_dist/wire/_framing{suffix}" in built.stdout
+    code = ("import importlib.util as u; s = u.spec_from_file_location('_framing', "
+            f"{str(tmp_path / 'reactor_dist' / 'wire' / ('_framing' + suffix))!r}); "
+            "m = u.module_from_spec(s); s.loader.exec_module(m); print(m.HOT_FORMAT)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == HOT_HEAD.format

@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from reactor_dist.wire import framing
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only branch")
 
@@ -47,6 +49,10 @@ HIDDEN_RUN = ("import sys, runpy; sys.modules.update(dict.fromkeys(sys.argv[1].s
               "runpy.run_module('benchmarks.gpu_check', run_name='__main__')")
 
 
+COMPILED_HALF = "in use" if framing.COMPILED is not None else \
+    "not built here (make compiled-here), the pure-Python path runs"
+
+
 def here(tmp_path, hidden: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", HIDDEN_RUN, hidden], cwd=REPO,
                           capture_output=True, text=True, timeout=120,
@@ -64,6 +70,7 @@ def test_the_current_environment_names_each_missing_package_and_what_it_skips(tm
         "missing: transformers (skips the tensor-parallel Llama test and the "
         "context-parallel Wan test (diffusers' Wan imports transformers))\n"
         "missing: diffusers (skips the context-parallel Wan test)\n"
+        f"framing's compiled half: {COMPILED_HALF}\n"
         "no GPU: nothing to check\n")
 
 
