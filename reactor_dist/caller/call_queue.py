@@ -461,6 +461,11 @@ class CallQueue:
                 arrived = bus.gather(seq, owed, wait_ms, until)
             finally:
                 self.lock.acquire()
+            if arrived and len(arrived[0]) != 2:  # acknowledgements: counted in one go
+                counted = engine.ack(arrived, monotonic())
+                if engine.todo or engine.changed:
+                    self.carry_out()
+                del arrived[:counted]
             for message in arrived:
                 self.dispatch(message)
         finally:
@@ -532,7 +537,7 @@ class CallQueue:
         notice judged."""
         if len(message) != 2:  # an acknowledgement (framing.Channel.take): no ledger fields
             engine = self.engine
-            engine.ack(message, monotonic())
+            engine.ack([message], monotonic())
             if engine.todo or engine.changed:
                 self.carry_out()
             return

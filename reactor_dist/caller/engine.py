@@ -489,25 +489,34 @@ class Engine:
             while in_flight and len(in_flight[0].replies) == self.world_size:
                 self.answered(in_flight.popleft(), now)
 
-    def ack(self, fields: tuple, now: float) -> None:
-        """One plain reply (status OK, nothing but its times and maybe a small payload:
-        HOT_HEAD's fields and the payload, framing.Channel.take), counted into its call
-        with no header map."""
-        _, _, flags, _, rank, seq, compute, wait, _, payload = fields
-        call = self.by_seq.get(seq)
-        if call is None or rank in call.replies:  # a failed call's: it holds no segments
-            return
-        call.replies[rank] = ACKNOWLEDGED if payload is None else (ACKNOWLEDGED[0], [payload])
-        call.returned += 1
-        if flags & Hot.COMPUTE:
-            call.compute[rank] = compute
-        if flags & Hot.WAIT:
-            call.waits[rank] = wait
-        if flags & Hot.LOGGED:
-            call.logged = True
+    def ack(self, arrived: list[tuple], now: float) -> int:
+        """The plain replies at the start of ``arrived`` (status OK, nothing but their
+        times and maybe a small payload: HOT_HEAD's fields and the payload,
+        framing.Channel.take), each counted into its call with no header map; how many
+        there were.  A pass of the call queue hands over all its acknowledgements at once."""
+        by_seq, ws = self.by_seq, self.world_size
+        counted = 0
+        for fields in arrived:
+            if len(fields) == 2:  # a message decoded whole: the call queue's to dispatch
+                break
+            counted += 1
+            _, _, flags, _, rank, seq, compute, wait, _, payload = fields
+            call = by_seq.get(seq)
+            if call is None or rank in call.replies:  # a failed call's: it holds no segments
+                continue
+            call.replies[rank] = ACKNOWLEDGED if payload is None else \
+                (ACKNOWLEDGED[0], [payload])
+            call.returned += 1
+            if flags & Hot.COMPUTE:
+                call.compute[rank] = compute
+            if flags & Hot.WAIT:
+                call.waits[rank] = wait
+            if flags & Hot.LOGGED:
+                call.logged = True
         in_flight = self.in_flight
-        while in_flight and len(in_flight[0].replies) == self.world_size:
+        while in_flight and len(in_flight[0].replies) == ws:
             self.answered(in_flight.popleft(), now)
+        return counted
 
     def owes_before(self, begun: dict[int, int | None]) -> bool:
         """A death's notice: a dead rank still owes replies to calls before the one it
