@@ -416,16 +416,20 @@ static PyObject *zmq_failed(Wire *w, int err) {
     return NULL;
 }
 
-/* One frame into ``msg`` (initialized): 0, or -1 with errno's value in *err (EINTR is
- * retried here once the signal handlers ran without raising). */
+/* One frame into ``msg`` (initialized here): 0, or -1 with errno's value in *err, or -2
+ * with a signal handler's exception set (EINTR is retried once the handlers ran without
+ * raising); on failure ``msg`` is closed again. */
 static int recv_frame(void *sock, zmq_msg_t *msg, int flags, int *err) {
+    zmq.msg_init(msg);
     for (;;) {
         int rc;
         Py_BEGIN_ALLOW_THREADS rc = zmq.msg_recv(msg, sock, flags);
         Py_END_ALLOW_THREADS if (rc >= 0) return 0;
         *err = zmq.errno_();
-        if (*err != EINTR) return -1;
-        if (PyErr_CheckSignals() < 0) return -2; /* a handler raised (Ctrl-C) */
+        if (*err != EINTR || PyErr_CheckSignals() < 0) {
+            zmq.msg_close(msg);
+            return *err == EINTR ? -2 : -1; /* -2: a handler raised (Ctrl-C) */
+        }
     }
 }
 
@@ -455,10 +459,8 @@ static PyObject *rest_of(Wire *w, void *sock, PyObject *parts, Py_ssize_t size) 
     int more = 1, err;
     while (more) {
         zmq_msg_t msg;
-        zmq.msg_init(&msg);
         int rc = recv_frame(sock, &msg, 0, &err);
         if (rc < 0) {
-            zmq.msg_close(&msg);
             Py_XDECREF(parts);
             return rc == -2 ? NULL : zmq_failed(w, err);
         }
@@ -515,21 +517,24 @@ static int check_bound(void) {
     return zmq_bound;
 }
 
-/* receive(handle, flags): one whole message's frames, as framing.receive gives them. */
-static PyObject *wire_receive(PyObject *self, PyObject *args) {
+/* The first frame, into ``msg``, of the message that a (handle, flags) method receives:
+ * the frame's socket, or NULL with an error set. */
+static void *first_frame(Wire *w, PyObject *args, zmq_msg_t *msg) {
     PyObject *handle;
     int flags, err;
     if (!PyArg_ParseTuple(args, "Oi", &handle, &flags) || !check_bound()) return NULL;
-    void *sock = socket_of((Wire *)self, handle);
+    void *sock = socket_of(w, handle);
     if (sock == NULL) return NULL;
+    int rc = recv_frame(sock, msg, flags, &err);
+    if (rc == -1) zmq_failed(w, err);
+    return rc < 0 ? NULL : sock;
+}
+
+/* receive(handle, flags): one whole message's frames, as framing.receive gives them. */
+static PyObject *wire_receive(PyObject *self, PyObject *args) {
     zmq_msg_t msg;
-    zmq.msg_init(&msg);
-    int rc = recv_frame(sock, &msg, flags, &err);
-    if (rc < 0) {
-        zmq.msg_close(&msg);
-        return rc == -2 ? NULL : zmq_failed((Wire *)self, err);
-    }
-    return whole((Wire *)self, sock, &msg);
+    void *sock = first_frame((Wire *)self, args, &msg);
+    return sock == NULL ? NULL : whole((Wire *)self, sock, &msg);
 }
 
 /* The fixed part's fields of an authentic one-frame REPLY that framing.Channel.take hands
@@ -667,10 +672,8 @@ static PyObject *wire_gather(PyObject *self, PyObject *args) {
     if (arrived == NULL) return NULL;
     for (;;) {
         zmq_msg_t msg;
-        zmq.msg_init(&msg);
         int rc = recv_frame(sock, &msg, flags, &err);
         if (rc < 0) {
-            zmq.msg_close(&msg);
             if (rc == -1 && err == EAGAIN) break;
             Py_DECREF(arrived);
             return rc == -2 ? NULL : zmq_failed(w, err);
@@ -728,18 +731,9 @@ static PyObject *wire_gather(PyObject *self, PyObject *args) {
  * any other message as its list of frames, unjudged (Channel.unpack's to verify). */
 static PyObject *wire_command(PyObject *self, PyObject *args) {
     Wire *w = (Wire *)self;
-    PyObject *handle;
-    int flags, err;
-    if (!PyArg_ParseTuple(args, "Oi", &handle, &flags) || !check_bound()) return NULL;
-    void *sock = socket_of((Wire *)self, handle);
-    if (sock == NULL) return NULL;
     zmq_msg_t msg;
-    zmq.msg_init(&msg);
-    int rc = recv_frame(sock, &msg, flags, &err);
-    if (rc < 0) {
-        zmq.msg_close(&msg);
-        return rc == -2 ? NULL : zmq_failed(w, err);
-    }
+    void *sock = first_frame(w, args, &msg);
+    if (sock == NULL) return NULL;
     PyObject *decoded = zmq.msg_more(&msg) ? NULL : plain(w, zmq.msg_data(&msg), zmq.msg_size(&msg));
     if (decoded != NULL || PyErr_Occurred()) {
         zmq.msg_close(&msg);
